@@ -1,0 +1,24 @@
+"""python -m rollout_server --config deploy/configs/cpu.toml [--section.key=value ...]"""
+
+from __future__ import annotations
+
+import sys
+
+from shared.cli import parse_cli
+
+DESCRIPTION = (
+    "tandem rollout server: samples G completions per prompt with vLLM (or HF), scores them with the "
+    "verifier, queues scored groups for the learner (pull/lease/ack over HTTP), and hot-loads the LoRA "
+    "adapters the learner publishes, one new engine name per version."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _, cfg = parse_cli("python -m rollout_server", DESCRIPTION, argv, lambda p: None)
+    from rollout_server.app import serve  # heavy imports only after the config is known to be good
+
+    return serve(cfg)
+
+
+if __name__ == "__main__":  # vLLM's engine spawns processes: this guard is required
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""One config for a tandem run, read by both processes: defaults < TOML file < `--section.key=value`.
+
+Settings both processes need (model, group size, max tokens, sampling) are declared once, in `model`
+and `sampling`; the server reads `data` and `server`, the learner `lora`, `grpo`, `learner` and
+`deepspeed`. Unknown keys and invalid values are errors that name the field (`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: str = Field(
+        default="smollm2-135m",
+        description="'smollm2-135m' (embedded, offline), a Hugging Face hub id, or a local model folder",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_model_len: int = Field(default=1024, ge=64, description="prompt + completion tokens")
+
+
+class SamplingConfig(_Section):
+    group_size: int = Field(
+        default=4, ge=2, description="G, completions per prompt (GRPO needs >= 2 for a baseline)"
+    )
+    max_new_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=2.0,
+        description="> 0 for training rollouts; top_p=1 and top_k=-1 are forced so sampler logprobs "
+        "are those of the policy",
+    )
+
+
+class DataConfig(_Section):
+    task: Literal["gsm8k", "arith"] = "gsm8k"
+    path: str | None = Field(
+        default=None,
+        description="local folder holding {train,test}.jsonl; None = load 'hub_id' from the hub",
+    )
+    hub_id: str = "openai/gsm8k"
+    split: str = "train"
+    seed: int = 0
+    arith_difficulty: int = Field(default=2, ge=1, le=6, description="'arith' task: operands/size knob")
+    arith_size: int = Field(default=5000, ge=10, description="'arith' task: problems in the train split")
+
+
+class VllmConfig(_Section):
+    kv_cache_gib: float = Field(default=2.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE")
+    gpu_memory_utilization: float = Field(default=0.35, gt=0, le=1)
+    enforce_eager: bool = Field(default=True, description="skip torch.compile/CUDA graphs: fast start")
+    enable_sleep_mode: bool = True
+    max_num_seqs: int = Field(default=64, ge=1)
+
+
+class ServerConfig(_Section):
+    backend: Literal["vllm", "hf"] = "vllm"
+    host: str = Field(default="127.0.0.1", description="bind address; loopback unless told otherwise")
+    port: int = Field(default=8000, ge=1, le=65535)
+    api_token_env: str = Field(
+        default="TANDEM_API_TOKEN",
+        description="environment variable holding the bearer token for mutating endpoints "
+        "(unset or empty = no auth)",
+    )
+    queue_size: int = Field(default=64, ge=1, description="max scored groups waiting to be pulled")
+    prompts_per_batch: int = Field(default=8, ge=1, description="prompts sent to the backend at once")
+    lease_s: float = Field(default=300.0, gt=0, description="un-acked groups return to the queue after this")
+    state_dir: str = Field(default="runs/server", description="cursor and adapter store")
+    adapter_root: str | None = Field(default=None, description="folder publish-by-path may read under")
+    max_adapter_mb: float = Field(default=512.0, gt=0)
+    max_lora_rank: int = Field(default=16, ge=1)
+    max_loras: int = Field(default=2, ge=1, description=">= max_staleness + 1 in split mode")
+    seed: int = 0
+    vllm: VllmConfig = VllmConfig()
+
+
+class LoraConfig(_Section):
+    r: int = Field(default=16, ge=1)
+    alpha: float = Field(default=32.0, gt=0)
+    dropout: float = Field(default=0.05, ge=0, lt=1)
+    target_modules: list[str] = Field(default=["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+
+
+class GRPOConfig(_Section):
+    """Every numerical convention of the loss, named (DESIGN.md §4)."""
+
+    scale_rewards: Literal["group", "none"] = Field(
+        default="group", description="'group': divide by the group std (GRPO Eq. 3); 'none': Dr. GRPO"
+    )
+    std: Literal["population", "bessel"] = Field(
+        default="population", description="population std (correction=0) as in the paper; bessel = TRL"
+    )
+    baseline: Literal["mean", "rloo"] = "mean"
+    eps: float = Field(default=1e-6, ge=0, description="added to the std before dividing")
+    epsilon_low: float = Field(default=0.2, ge=0, lt=1, description="PPO clip: ratio >= 1 - epsilon_low")
+    epsilon_high: float = Field(default=0.2, ge=0, description="PPO clip: ratio <= 1 + epsilon_high (DAPO)")
+    beta: float = Field(default=0.04, ge=0, description="weight of the KL to the reference (GRPO Eq. 3)")
+    kl_estimator: Literal["k3", "k2", "k1"] = Field(default="k3", description="Schulman's k3 is unbiased")
+    aggregation: Literal["seq_mean_token_mean", "token_mean", "constant_norm"] = "seq_mean_token_mean"
+    is_cap: float | None = Field(
+        default=2.0, gt=1.0, description="truncated importance-sampling cap on π_old/π_sampler; None = off"
+    )
+
+
+class DeepSpeedConfig(_Section):
+    zero_stage: int = Field(default=2, ge=0, le=3)
+    bf16: bool = True
+    offload_optimizer: bool = True
+    gradient_clipping: float = Field(default=1.0, ge=0)
+    overrides: dict[str, Any] = Field(default={}, description="merged last into the DeepSpeed JSON config")
+
+
+class LearnerConfig(_Section):
+    server_url: str = "http://127.0.0.1:8000"
+    api_token_env: str = "TANDEM_API_TOKEN"
+    placement: Literal["timeslice", "split"] = "timeslice"
+    steps: int = Field(default=100, ge=1)
+    prompts_per_step: int = Field(default=2, ge=1, description="B; the step trains on B x G completions")
+    micro_batch_size: int = Field(default=1, ge=1, description="completions per forward/backward")
+    grad_accum: int = Field(default=8, ge=1)
+    lr: float = Field(default=5e-5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_staleness: int = Field(default=0, ge=0, description="drop groups more than this many versions old")
+    dynamic_sampling: bool = Field(default=True, description="DAPO: drop zero-std groups, pull more")
+    max_pull_rounds: int = Field(default=8, ge=1, description="bound on extra pulls to fill a batch")
+    pull_wait_s: float = Field(default=60.0, gt=0)
+    logprob_chunk_size: int = Field(default=256, ge=1, description="tokens per log-softmax chunk")
+    gradient_checkpointing: bool = False
+    out_dir: str = "runs/learner"
+    checkpoint_every: int = Field(default=10, ge=1)
+    connect_timeout_s: float = Field(default=300.0, gt=0, description="wait this long for the server")
+    seed: int = 0
+
+
+class TandemConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    data: DataConfig = DataConfig()
+    server: ServerConfig = ServerConfig()
+    lora: LoraConfig = LoraConfig()
+    grpo: GRPOConfig = GRPOConfig()
+    learner: LearnerConfig = LearnerConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> TandemConfig:
+        if self.lora.r > self.server.max_lora_rank:
+            raise ValueError(
+                f"lora.r={self.lora.r} exceeds server.max_lora_rank={self.server.max_lora_rank}"
+            )
+        if self.learner.placement == "split" and self.server.max_loras < self.learner.max_staleness + 1:
+            raise ValueError("server.max_loras must be >= learner.max_staleness + 1 in split placement")
+        return self
+
+    def dump(self) -> str:
+        return json.dumps(self.model_dump(), indent=2, sort_keys=True)
+
+
+class ConfigError(ValueError):
+    """A config problem, with a one-line message naming the field."""
+
+
+def check_batch_size(cfg: TandemConfig, world_size: int) -> int:
+    """train_batch_size (completions per optimizer step) = B x G must equal micro x accumulation x world."""
+    per_step = cfg.learner.prompts_per_step * cfg.sampling.group_size
+    per_engine = cfg.learner.micro_batch_size * cfg.learner.grad_accum * world_size
+    if per_step != per_engine:
+        raise ConfigError(
+            f"batch size: learner.prompts_per_step x sampling.group_size = "
+            f"{cfg.learner.prompts_per_step} x {cfg.sampling.group_size} = {per_step} completions per step, "
+            f"but learner.micro_batch_size x learner.grad_accum x world_size = "
+            f"{cfg.learner.micro_batch_size} x {cfg.learner.grad_accum} x {world_size} = {per_engine}"
+        )
+    return per_step
+
+
+def _parse_value(raw: str) -> Any:
+    """A CLI override value is read as a TOML value (numbers, booleans, lists, quoted strings);
+    anything that is not valid TOML is taken as a bare string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"override --{dotted}: empty key")
+    node = tree
+    for k in keys[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override --{dotted}: '{k}' is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate `--a.b=value` / `--a.b value` overrides (dotted names) from other arguments."""
+    rest, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
+        if "." in name:
+            if "=" in arg:
+                overrides.append(arg[2:])
+            elif i + 1 < len(argv):
+                overrides.append(f"{name}={argv[i + 1]}")
+                i += 1
+            else:
+                raise ConfigError(f"override --{name} has no value")
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def _format_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif "input" in e and not isinstance(e["input"], dict | list):
+            msg = f"{msg} (got {e['input']!r})"
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TandemConfig:
+    """defaults < TOML file at `path` < overrides (`section.key=value` strings)."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            tree = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override --{key} has no value (use --{key}=VALUE)")
+        _set_dotted(tree, key, _parse_value(raw))
+    try:
+        return TandemConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(f"invalid config: {_format_error(e)}") from None

@@ -1,0 +1,146 @@
+"""The wire protocol between rollout server and learner (DESIGN.md §3). The only schema: FastAPI routes
+declare these models and the learner's client parses responses with them.
+
+Token-in/token-out: a group carries the prompt's and each completion's token ids plus the sampler's
+per-token logprobs, so the learner never re-tokenises text. Validation lives here, so a malformed payload
+is refused at whichever end receives it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PROTOCOL_VERSION = "1"
+
+Version = Annotated[int, Field(ge=0, description="policy (adapter) version; 0 is the base model")]
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Completion(_Model):
+    """One sampled completion of a prompt, scored by the verifier."""
+
+    token_ids: list[TokenId] = Field(min_length=1)
+    # Sampler logprob of each sampled token: log π_sampler(token_ids[t] | prefix). One per token id.
+    logprobs: list[float]
+    text: str
+    reward: float
+    finish_reason: Literal["stop", "length"]
+
+    @model_validator(mode="after")
+    def _check(self) -> Completion:
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"logprobs has {len(self.logprobs)} values for {len(self.token_ids)} token ids; "
+                "need exactly one per token"
+            )
+        for t, lp in enumerate(self.logprobs):
+            if not math.isfinite(lp) or lp > 0.0:
+                raise ValueError(f"logprobs[{t}] = {lp}: a logprob must be finite and <= 0")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"reward {self.reward} is not finite")
+        return self
+
+
+class ScoredGroup(_Model):
+    """G completions of one prompt, produced by one policy version."""
+
+    group_id: str = Field(min_length=1)
+    prompt_id: str = Field(min_length=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    answer: str  # the reference final answer the rewards were computed against
+    policy_version: Version
+    completions: list[Completion] = Field(min_length=2)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [c.reward for c in self.completions]
+
+
+class PullRequest(_Model):
+    max_groups: int = Field(ge=1, le=4096)
+    wait_s: float = Field(default=0.0, ge=0.0, le=600.0, description="block up to this long for >= 1 group")
+
+
+class PullResponse(_Model):
+    # None when no group was available within wait_s: there is nothing to ack.
+    lease_id: str | None
+    lease_s: float = Field(ge=0.0, description="seconds until un-acked groups return to the queue")
+    groups: list[ScoredGroup]
+
+
+class AckRequest(_Model):
+    lease_id: str = Field(min_length=1)
+
+
+class AckResponse(_Model):
+    acked: int = Field(ge=0)
+
+
+class Health(_Model):
+    status: Literal["ok"] = "ok"
+    protocol_version: str = PROTOCOL_VERSION
+    backend: str
+    model: str
+    policy_version: Version
+    sleeping: bool
+    group_size: int = Field(ge=2)
+    queue_depth: int = Field(ge=0)
+    leased: int = Field(ge=0)
+
+
+class AdapterPathRequest(_Model):
+    """Publish an adapter that already lies in a folder under the server's adapter root."""
+
+    version: Version
+    path: str = Field(min_length=1, description="folder relative to the server's adapter_root")
+
+
+class AdapterPublished(_Model):
+    version: Version
+    name: str
+
+
+class GenerateRequest(_Model):
+    """Plain sampling for evaluation. Prompts are user messages; the server applies the chat template."""
+
+    prompts: list[str] = Field(min_length=1, max_length=1024)
+    version: Version | None = Field(default=None, description="adapter version; None = the one served")
+    n: int = Field(default=1, ge=1, le=64)
+    temperature: float = Field(default=0.0, ge=0.0, le=5.0, description="0 = greedy")
+    max_tokens: int | None = Field(default=None, ge=1, le=32768)
+
+
+class GeneratedText(_Model):
+    text: str
+    token_ids: list[TokenId]
+    finish_reason: Literal["stop", "length"]
+
+
+class GenerateResponse(_Model):
+    version: Version
+    prompt_token_ids: list[list[TokenId]]
+    outputs: list[list[GeneratedText]]  # [len(prompts)][n]
+
+
+class ScoreRequest(_Model):
+    """Teacher-forced logprobs of a given completion under an adapter version (diagnostics, tests)."""
+
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    completion_token_ids: list[TokenId] = Field(min_length=1)
+    version: Version | None = None
+
+
+class ScoreResponse(_Model):
+    version: Version
+    logprobs: list[float]
+
+
+class SleepState(_Model):
+    sleeping: bool

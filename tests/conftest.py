@@ -1,0 +1,24 @@
+"""Fixtures shared by the whole suite. GSM8K comes from $TANDEM_GSM8K (default: ../shared/data/gsm8k
+beside the repo); the embedded model is prepared (or found) in $TANDEM_CACHE once per session."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> Path:
+    path = Path(os.environ.get("TANDEM_GSM8K", REPO.parent / "shared" / "data" / "gsm8k"))
+    if not (path / "test.jsonl").is_file():
+        pytest.fail(f"GSM8K not found at {path}: set TANDEM_GSM8K to a folder with train.jsonl and test.jsonl")
+    return path
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> str:
+    from shared.models import resolve_model
+
+    return resolve_model("smollm2-135m")

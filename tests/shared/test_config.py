@@ -1,0 +1,103 @@
+import subprocess
+import sys
+
+import pytest
+
+from shared.config import ConfigError, TandemConfig, check_batch_size, load_config, split_overrides
+from tests.conftest import REPO
+
+
+def test_defaults_match_design():
+    cfg = TandemConfig()
+    assert (cfg.grpo.std, cfg.grpo.scale_rewards, cfg.grpo.baseline) == ("population", "group", "mean")
+    assert (cfg.grpo.epsilon_low, cfg.grpo.epsilon_high, cfg.grpo.beta) == (0.2, 0.2, 0.04)
+    assert (cfg.grpo.kl_estimator, cfg.grpo.aggregation) == ("k3", "seq_mean_token_mean")
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (16, 32.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert cfg.server.host == "127.0.0.1"
+
+
+def test_toml_then_overrides(tmp_path):
+    f = tmp_path / "x.toml"
+    f.write_text('[sampling]\ngroup_size = 8\nmax_new_tokens = 64\n[lora]\nr = 8\n[learner]\nlr = 1e-4\n')
+    cfg = load_config(f, ["sampling.group_size=6", "lora.target_modules=['q_proj']", "model.name=my/model"])
+    assert cfg.sampling.group_size == 6  # CLI beats TOML
+    assert cfg.sampling.max_new_tokens == 64  # TOML beats default
+    assert cfg.lora.r == 8 and cfg.lora.target_modules == ["q_proj"]
+    assert cfg.learner.lr == 1e-4
+    assert cfg.model.name == "my/model"  # a bare string is taken as a string
+
+
+def test_unknown_key_names_the_field(tmp_path):
+    f = tmp_path / "x.toml"
+    f.write_text("[sampling]\ngroup_sise = 8\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(f)
+    assert str(e.value) == "invalid config: sampling.group_sise: unknown key"
+    with pytest.raises(ConfigError, match="^invalid config: grpo.bogus: unknown key$"):
+        load_config(None, ["grpo.bogus=1"])
+
+
+def test_out_of_range_value_names_the_field():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["sampling.group_size=1"])
+    assert str(e.value) == (
+        "invalid config: sampling.group_size: Input should be greater than or equal to 2 (got 1)"
+    )
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="grpo.std: Input should be 'population' or 'bessel'"):
+        load_config(None, ["grpo.std=sample"])
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="lora.r=32 exceeds server.max_lora_rank=16"):
+        load_config(None, ["lora.r=32"])
+
+
+def test_batch_size_invariant_names_all_three():
+    cfg = load_config(None, ["learner.prompts_per_step=2", "sampling.group_size=4", "learner.grad_accum=4"])
+    assert check_batch_size(cfg, world_size=2) == 8  # 2 x 4 = 1 x 4 x 2
+    with pytest.raises(ConfigError, match=r"micro_batch_size x learner.grad_accum x world_size = 1 x 4 x 1 = 4"):
+        check_batch_size(cfg, world_size=1)
+
+
+def test_split_overrides_both_spellings():
+    rest, ov = split_overrides(["--config", "a.toml", "--x.y=1", "--a.b", "2", "--resume"])
+    assert rest == ["--config", "a.toml", "--resume"] and ov == ["x.y=1", "a.b=2"]
+
+
+def test_missing_file_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[sampling\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+
+
+def test_dump_round_trips():
+    cfg = load_config(None, ["sampling.group_size=8"])
+    assert TandemConfig.model_validate_json(cfg.dump()) == cfg
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "deploy" / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_example_configs_load_and_start_with_their_command(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and "python -m" in first or "docker compose" in first, first
+    load_config(path)
+
+
+def test_example_configs_exist():
+    names = {p.name for p in (REPO / "deploy" / "configs").glob("*.toml")}
+    assert {"cpu.toml", "gpu-8gb-timeslice.toml", "gpu-2x-split.toml"} <= names
+
+
+def test_cli_error_is_one_line():
+    # The learner's and server's entry points share this path: a bad override is one line on stderr, rc 2.
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_server", "--sampling.group_size=1", "--check-config"],
+        capture_output=True, text=True, cwd=REPO,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "error: invalid config: sampling.group_size: Input should be greater than or equal to 2 (got 1)"
+    )

@@ -1,0 +1,94 @@
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from shared import protocol as P
+
+
+def _completion(**kw):
+    base = dict(token_ids=[5, 6, 2], logprobs=[-0.5, -1.0, 0.0], text="hi", reward=1.0, finish_reason="stop")
+    return P.Completion(**(base | kw))
+
+
+def _group(**kw):
+    base = dict(
+        group_id="g1",
+        prompt_id="gsm8k-train-0",
+        prompt_token_ids=[1, 2, 3],
+        answer="72",
+        policy_version=3,
+        completions=[_completion(), _completion(reward=0.0, finish_reason="length")],
+    )
+    return P.ScoredGroup(**(base | kw))
+
+
+EXAMPLES = [
+    _completion(),
+    _group(),
+    P.PullRequest(max_groups=4, wait_s=1.5),
+    P.PullResponse(lease_id="abc", lease_s=30.0, groups=[_group()]),
+    P.PullResponse(lease_id=None, lease_s=0.0, groups=[]),
+    P.AckRequest(lease_id="abc"),
+    P.AckResponse(acked=2),
+    P.Health(backend="vllm", model="m", policy_version=0, sleeping=False, group_size=4, queue_depth=0, leased=0),
+    P.AdapterPathRequest(version=2, path="v2"),
+    P.AdapterPublished(version=2, name="policy-v2"),
+    P.GenerateRequest(prompts=["q"], version=1, n=2, temperature=0.7, max_tokens=16),
+    P.GeneratedText(text="a", token_ids=[1], finish_reason="stop"),
+    P.GenerateResponse(version=1, prompt_token_ids=[[1]], outputs=[[P.GeneratedText(text="a", token_ids=[1], finish_reason="length")]]),
+    P.ScoreRequest(prompt_token_ids=[1], completion_token_ids=[2, 3], version=0),
+    P.ScoreResponse(version=0, logprobs=[-1.0, -2.0]),
+    P.SleepState(sleeping=True),
+]
+
+
+@pytest.mark.parametrize("obj", EXAMPLES, ids=lambda o: type(o).__name__)
+def test_every_model_round_trips_through_json(obj):
+    again = type(obj).model_validate_json(obj.model_dump_json())
+    assert again == obj
+
+
+def test_health_carries_protocol_version():
+    assert EXAMPLES[7].protocol_version == P.PROTOCOL_VERSION
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        (dict(logprobs=[-0.5, -1.0]), "2 values for 3 token ids"),
+        (dict(logprobs=[-0.5, 0.1, -1.0]), "logprobs\\[1\\] = 0.1"),
+        (dict(logprobs=[-0.5, math.nan, -1.0]), "logprobs\\[1\\] = nan"),
+        (dict(logprobs=[-0.5, -math.inf, -1.0]), "logprobs\\[1\\] = -inf"),
+        (dict(reward=math.inf), "reward inf is not finite"),
+        (dict(reward=math.nan), "reward nan is not finite"),
+        (dict(token_ids=[]), "at least 1 item"),
+        (dict(token_ids=[-1, 2, 3]), "greater than or equal to 0"),
+        (dict(finish_reason="abort"), "'stop' or 'length'"),
+    ],
+)
+def test_invalid_completion_is_rejected_with_a_message(kw, message):
+    with pytest.raises(ValidationError, match=message):
+        _completion(**kw)
+
+
+def test_group_needs_two_completions_and_a_nonnegative_version():
+    with pytest.raises(ValidationError, match="at least 2 items"):
+        _group(completions=[_completion()])
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        _group(policy_version=-1)
+
+
+def test_invalid_json_payloads_are_rejected():
+    with pytest.raises(ValidationError, match="Invalid JSON"):
+        P.PullRequest.model_validate_json("{max_groups: 1")
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        P.PullRequest.model_validate_json('{"max_groups": 1, "surprise": 2}')
+    with pytest.raises(ValidationError, match="max_groups"):
+        P.PullRequest.model_validate_json('{"max_groups": "many"}')
+    with pytest.raises(ValidationError, match="less than or equal to 600"):
+        P.PullRequest.model_validate_json('{"max_groups": 1, "wait_s": 1e9}')
+
+
+def test_group_rewards_property():
+    assert _group().rewards == [1.0, 0.0]
