@@ -1,0 +1,249 @@
+"""GRPO's math as pure torch functions (DESIGN.md §4). No config objects, no I/O, no distributed calls.
+
+Shapes: rewards are [B, G] (B prompts, G completions each). Per-token tensors are [N, T], one row per
+completion, right-padded, with `mask` 1 on real completion tokens. Per-sequence advantages are [N].
+
+References: GRPO = DeepSeekMath (Shao et al. 2024) Eq. 3-5; Dr. GRPO (Liu et al. 2025) for
+`scale="none"` and `constant_norm`; DAPO (Yu et al. 2025) for clip-higher and `token_mean`; k1/k2/k3
+are Schulman's KL estimators ("Approximating KL divergence", 2020); dual-clip PPO (Ye et al. 2020) is
+how `is_cap` bounds the ratio against the sampler's logprobs for negative advantages.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant_norm"]
+
+# k3 = e^u - u - 1 overflows fp32 past u ~ 88; |u| > 20 means the two policies disagree by a factor of
+# e^20 on a token, where the estimate is meaningless anyway. Clamping keeps one bad token from
+# turning the whole loss into inf.
+_KL_LOG_RATIO_BOUND = 20.0
+
+
+def degenerate_groups(rewards: Tensor, tol: float = 1e-6) -> Tensor:
+    """[B, G] -> bool [B]: groups whose rewards are all equal (zero std), which carry no signal."""
+    return (rewards.amax(dim=-1) - rewards.amin(dim=-1)) <= tol
+
+
+def p_degenerate(p: float, G: int) -> float:
+    """Probability that G Bernoulli(p) rewards are all equal: p^G + (1-p)^G."""
+    return p**G + (1.0 - p) ** G
+
+
+def group_advantages(
+    rewards: Tensor,
+    *,
+    scale: Literal["group", "none"] = "group",
+    std: Literal["population", "bessel"] = "population",
+    baseline: Literal["mean", "rloo"] = "mean",
+    eps: float = 1e-6,
+) -> Tensor:
+    """[B, G] rewards -> [B, G] advantages, one per completion (every token of it shares it).
+
+    baseline='mean': r_i - mean(r) (GRPO).  baseline='rloo': r_i - mean_{j != i} r_j = G/(G-1) (r_i - mean).
+    scale='group': divide by std(r) + eps, population (correction=0, the paper's) or Bessel (TRL's).
+    Degenerate groups get exactly 0, also with eps = 0.
+    """
+    G = rewards.shape[-1]
+    if G < 2:
+        raise ValueError(f"group size {G}: GRPO needs at least 2 completions per prompt")
+    rewards = rewards.float()
+    mean = rewards.mean(dim=-1, keepdim=True)  # [B, 1]
+    if baseline == "mean":
+        centered = rewards - mean
+    elif baseline == "rloo":
+        centered = rewards - (rewards.sum(dim=-1, keepdim=True) - rewards) / (G - 1)
+    else:
+        raise ValueError(f"unknown baseline {baseline!r}")
+    if scale == "group":
+        correction = {"population": 0, "bessel": 1}[std]
+        centered = centered / (rewards.std(dim=-1, keepdim=True, correction=correction) + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown scale {scale!r}")
+    # Float means of equal values can be off by an ulp; never let that become a huge advantage or NaN.
+    return torch.where(degenerate_groups(rewards)[:, None], torch.zeros_like(centered), centered)
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: Literal["k3", "k2", "k1"] = "k3") -> Tensor:
+    """Per-token estimate of KL(π || π_ref) from tokens sampled from π; u = log π_ref - log π.
+
+    k1 = -u (unbiased, high variance, can be negative); k2 = u²/2 (biased); k3 = e^u - u - 1 (unbiased,
+    >= 0, low variance; the GRPO paper's).
+    """
+    u = (ref_logprobs - logprobs).clamp(-_KL_LOG_RATIO_BOUND, _KL_LOG_RATIO_BOUND)
+    if estimator == "k3":
+        return torch.expm1(u) - u
+    if estimator == "k2":
+        return 0.5 * u * u
+    if estimator == "k1":
+        return -u
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def clipped_surrogate(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+) -> tuple[Tensor, Tensor]:
+    """PPO's surrogate min(ρA, clip(ρ, 1-ε_low, 1+ε_high) A), ρ = exp(log π - log π_old).
+
+    Returns (surrogate [N, T], clipped bool [N, T]); `clipped` marks tokens where the clipped branch is
+    the smaller one, i.e. where the surrogate's gradient is zero.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)  # [N, T]
+    adv = advantages[:, None]  # [N, 1]
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high) * adv
+    return torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    mode: Aggregation = "seq_mean_token_mean",
+    max_tokens: int | None = None,
+    *,
+    total_sequences: int | None = None,
+    total_tokens: int | float | None = None,
+) -> Tensor:
+    """Reduce [N, T] per-token values to a scalar.
+
+    seq_mean_token_mean: mean over sequences of each one's token mean (GRPO Eq. 3's 1/|o_i|).
+    token_mean: sum over all tokens / number of tokens (DAPO).
+    constant_norm: sum / (num_sequences * max_tokens) (Dr. GRPO; max_tokens defaults to T).
+
+    For a shard of a larger batch (data-parallel ranks, accumulation micro-batches) pass the whole
+    batch's `total_sequences` / `total_tokens`: the shards' results then *sum* to the whole batch's.
+    """
+    mask = mask.to(per_token.dtype)
+    masked = per_token * mask
+    n_seq = total_sequences if total_sequences is not None else per_token.shape[0]
+    if mode == "token_mean":
+        n_tok = total_tokens if total_tokens is not None else mask.sum()
+        return masked.sum() / n_tok
+    if mode == "seq_mean_token_mean":
+        seq_means = masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)  # [N]
+        return seq_means.sum() / n_seq
+    if mode == "constant_norm":
+        return masked.sum() / (n_seq * (max_tokens if max_tokens is not None else per_token.shape[-1]))
+    raise ValueError(f"unknown aggregation {mode!r}")
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    beta: float = 0.04,
+    kl_estimator: Literal["k3", "k2", "k1"] = "k3",
+    aggregation: Aggregation = "seq_mean_token_mean",
+    max_tokens: int | None = None,
+    is_cap: float | None = None,
+    total_sequences: int | None = None,
+    total_tokens: int | float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """loss = -aggregate(surrogate - β·KL). Per-token tensors [N, T], advantages [N].
+
+    `old_logprobs` may be the sampler's (one optimizer step per batch, DESIGN.md §4). Then vLLM and the
+    trainer differ in kernels and ρ can be large where they disagree; `is_cap` bounds the surrogate at
+    is_cap·A for negative advantages (dual-clip), so one such token cannot dominate the step (the
+    clip at 1+ε_high already bounds positive ones). `ref_logprobs` may be None when β = 0.
+    Returns (loss, metrics); metrics are token means over `mask` (floats, detached).
+    """
+    mask_f = mask.to(logprobs.dtype)
+    surrogate, clipped = clipped_surrogate(
+        logprobs, old_logprobs, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high
+    )
+    capped = torch.zeros_like(clipped)
+    if is_cap is not None:
+        floor = is_cap * advantages[:, None]  # [N, 1]; only binds where A < 0
+        capped = (advantages[:, None] < 0) & (surrogate < floor)
+        surrogate = torch.where(capped, floor.expand_as(surrogate), surrogate)
+    objective = surrogate
+    kl = None
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs, kl_estimator)
+        if beta != 0.0:
+            objective = objective - beta * kl
+    elif beta != 0.0:
+        raise ValueError("beta > 0 needs ref_logprobs")
+    loss = -aggregate(
+        objective, mask, aggregation, max_tokens, total_sequences=total_sequences, total_tokens=total_tokens
+    )
+
+    with torch.no_grad():
+        n = mask_f.sum().clamp(min=1.0)
+        tmean = lambda x: float((x.to(mask_f.dtype) * mask_f).sum() / n)
+        ratio = torch.exp(logprobs - old_logprobs)
+        metrics = {
+            "ratio/mean": tmean(ratio),
+            "ratio/clipfrac": tmean(clipped),
+            "ratio/capfrac": tmean(capped),
+            "sampler/logp_diff": tmean((logprobs - old_logprobs).abs()),
+            "sampler/kl": tmean(kl_penalty(old_logprobs, logprobs, "k3")),
+            "tokens": float(mask_f.sum()),
+        }
+        if kl is not None:
+            metrics["kl/ref"] = tmean(kl)
+    return loss, metrics
+
+
+class _ChunkedTokenLogprob(torch.autograd.Function):
+    """log softmax(logits)[token] in fp32, one chunk of rows at a time, saving only the logits.
+
+    Autograd through a plain chunked loop would keep every chunk's fp32 [rows, V] intermediates alive
+    for backward, which is exactly the memory chunking is meant to save; the backward here recomputes
+    softmax per chunk: d logp / d logits = onehot(token) - softmax(logits).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, token_ids: Tensor, chunk_size: int) -> Tensor:  # [R, V], [R] -> [R]
+        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for s in range(0, logits.shape[0], chunk_size):
+            chunk = logits[s : s + chunk_size].float()  # [c, V]
+            picked = chunk.gather(-1, token_ids[s : s + chunk_size, None]).squeeze(-1)
+            out[s : s + chunk_size] = picked - torch.logsumexp(chunk, dim=-1)
+        ctx.save_for_backward(logits, token_ids)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # [R] -> [R, V]
+        logits, token_ids = ctx.saved_tensors
+        c = ctx.chunk_size
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], c):
+            g = grad_out[s : s + c, None].float()  # [c, 1]
+            chunk_grad = -torch.softmax(logits[s : s + c].float(), dim=-1) * g
+            chunk_grad.scatter_add_(-1, token_ids[s : s + c, None], g)
+            grad[s : s + c] = chunk_grad.to(grad.dtype)
+        return grad, None, None
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor, *, chunk_size: int = 256) -> tuple[Tensor, Tensor]:
+    """[N, T, V] logits, [N, T] ids -> (logprobs [N, T] fp32 with grad, entropy [N, T] fp32 detached).
+
+    Never materialises fp32 log-softmax over all of [N, T, V] (a 151,936 vocabulary costs 0.6 MB per
+    token in fp32): `chunk_size` rows of the flattened [N*T, V] are upcast at a time, forward and backward.
+    """
+    N, T, V = logits.shape
+    flat = logits.reshape(N * T, V)  # [N*T, V]
+    ids = token_ids.reshape(N * T).long()
+    logprobs = _ChunkedTokenLogprob.apply(flat, ids, chunk_size).view(N, T)
+    with torch.no_grad():
+        entropy = torch.empty(N * T, dtype=torch.float32, device=logits.device)
+        for s in range(0, N * T, chunk_size):
+            lp = torch.log_softmax(flat[s : s + chunk_size].float(), dim=-1)  # [c, V]
+            entropy[s : s + chunk_size] = -(lp.exp() * lp).sum(-1)
+    return logprobs, entropy.view(N, T)
