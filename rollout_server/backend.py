@@ -1,0 +1,78 @@
+"""The seam between the server and an inference engine. Narrow on purpose: generate G completions with
+token ids and per-token sampler logprobs, score a given completion, load/unload an adapter version,
+sleep, wake. `vllm` and `hf` implement it; a remote OpenAI-compatible backend would too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shared.config import TandemConfig
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A published LoRA adapter. Each version gets its own engine name: vLLM keys its prefix cache by
+    name, and same-name reloads have served stale KV and stale weights (vLLM #42125)."""
+
+    version: int  # >= 1; version 0 is the base model and has no Adapter
+    path: str
+
+    @property
+    def name(self) -> str:
+        return f"policy-v{self.version}"
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_ids: list[int]  # completion tokens, the EOS token included when it stopped there
+    logprobs: list[float]  # sampler logprob of each token, after temperature (empty for greedy)
+    text: str  # decoded completion, special tokens skipped
+    finish_reason: str  # "stop" | "length"
+
+
+class AdapterLoadError(ValueError):
+    """The engine refused an adapter; the message says why."""
+
+
+class RolloutBackend(Protocol):
+    name: str
+    tokenizer: Any
+
+    async def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        adapter: Adapter | None,
+    ) -> list[list[Sample]]:
+        """[len(prompts)][n] samples. temperature > 0 samples with top_p=1, top_k=off; 0 is greedy."""
+        ...
+
+    async def score(self, prompt: list[int], completion: list[int], adapter: Adapter | None) -> list[float]:
+        """Teacher-forced log π(completion[t] | prompt, completion[:t]) at temperature 1."""
+        ...
+
+    async def load_adapter(self, adapter: Adapter) -> None: ...
+
+    async def unload_adapter(self, adapter: Adapter) -> None: ...
+
+    async def sleep(self) -> None: ...
+
+    async def wake(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
+    """Choose the engine by `server.backend`. Each implementation module is the only one importing its
+    engine, so the other's dependencies need not be installed."""
+    if cfg.server.backend == "vllm":
+        from rollout_server.vllm_backend import VllmBackend
+
+        return await VllmBackend.create(cfg, model_path)
+    from rollout_server.hf_backend import HFBackend
+
+    return await HFBackend.create(cfg, model_path)

@@ -1,0 +1,140 @@
+"""transformers + peft `generate` behind the RolloutBackend seam: needs no vLLM, runs anywhere torch
+does, and is the correctness reference for the vLLM backend's logprobs. One request at a time, in a
+worker thread so the event loop (HTTP, leases) stays responsive."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from rollout_server.backend import Adapter, AdapterLoadError, Sample
+from shared.config import TandemConfig
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class HFBackend:
+    name = "hf"
+
+    def __init__(self, model, tokenizer, device: str):
+        self.model = model  # the base model, or a PeftModel once an adapter is loaded
+        self.tokenizer = tokenizer
+        self.device = device
+        self._lock = threading.Lock()
+        self._loaded: set[str] = set()
+
+    @classmethod
+    async def create(cls, cfg: TandemConfig, model_path: str) -> HFBackend:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(cfg.server.seed)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+
+        def load():
+            tok = AutoTokenizer.from_pretrained(model_path)
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[cfg.model.dtype])
+            return model.to(device).eval(), tok
+
+        model, tok = await asyncio.to_thread(load)
+        return cls(model, tok, device)
+
+    async def _run(self, fn, *args):
+        def locked():
+            with self._lock, torch.inference_mode():
+                return fn(*args)
+
+        return await asyncio.to_thread(locked)
+
+    def _select(self, adapter: Adapter | None):
+        """The context to run under: the adapter's weights, or the base model (adapters disabled)."""
+        from contextlib import nullcontext
+
+        if adapter is None:
+            return self.model.disable_adapter() if self._loaded else nullcontext()
+        if adapter.name not in self._loaded:
+            self._load(adapter)
+        self.model.set_adapter(adapter.name)
+        return nullcontext()
+
+    def _generate(self, prompts, n, temperature, max_tokens, adapter):
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        width = max(len(p) for p in prompts)
+        rows = [p for p in prompts for _ in range(n)]  # [len(prompts) * n]
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=self.device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
+        sample = temperature > 0
+        with self._select(adapter):
+            out = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                do_sample=sample,
+                temperature=temperature if sample else None,
+                top_p=1.0 if sample else None,
+                top_k=0 if sample else None,  # generation_config may default to top_k=50
+                max_new_tokens=max_tokens,
+                pad_token_id=pad,
+                eos_token_id=eos,
+                output_logits=sample,
+                return_dict_in_generate=True,
+            )
+        new = out.sequences[:, width:]  # [R, S]
+        if sample:
+            logits = torch.stack(out.logits, dim=1).float() / temperature  # [R, S, V]
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None]).squeeze(-1)  # [R, S]
+        samples = []
+        for r in range(len(rows)):
+            ids = new[r].tolist()
+            stop = ids.index(eos) + 1 if eos in ids else None
+            ids = ids[:stop] if stop else ids
+            lps = logprobs[r, : len(ids)].tolist() if sample else []
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            samples.append(Sample(ids, lps, text, "stop" if stop else "length"))
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    async def generate(self, prompts, *, n, temperature, max_tokens, adapter):
+        return await self._run(self._generate, prompts, n, temperature, max_tokens, adapter)
+
+    def _score(self, prompt, completion, adapter):
+        ids = torch.tensor([prompt + completion], device=self.device)
+        with self._select(adapter):
+            logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()  # [C, V]
+        return torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1).tolist()
+
+    async def score(self, prompt, completion, adapter):
+        return await self._run(self._score, prompt, completion, adapter)
+
+    def _load(self, adapter: Adapter) -> None:
+        from peft import PeftModel
+
+        try:
+            if not self._loaded:
+                self.model = PeftModel.from_pretrained(self.model, adapter.path, adapter_name=adapter.name)
+            else:
+                self.model.load_adapter(adapter.path, adapter_name=adapter.name)
+        except Exception as e:  # peft raises many types for a bad adapter; say which adapter and why
+            raise AdapterLoadError(f"peft could not load {adapter.name}: {e}") from e
+        self.model.eval()
+        self._loaded.add(adapter.name)
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        await self._run(self._load, adapter)
+
+    def _unload(self, adapter: Adapter) -> None:
+        if adapter.name in self._loaded and len(self._loaded) > 1:  # peft keeps >= 1 adapter attached
+            self.model.delete_adapter(adapter.name)
+            self._loaded.discard(adapter.name)
+
+    async def unload_adapter(self, adapter: Adapter) -> None:
+        await self._run(self._unload, adapter)
+
+    async def sleep(self) -> None:  # nothing to free on CPU; the producer's pause is what matters
+        return None
+
+    async def wake(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None

@@ -1,0 +1,67 @@
+"""Prometheus metrics of the rollout server, one registry per server instance."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class ServerMetrics:
+    def __init__(self, server):
+        r = self.registry = CollectorRegistry()
+        self.groups = Counter("tandem_groups_produced", "scored groups put on the queue", registry=r)
+        self.degenerate = Counter(
+            "tandem_groups_degenerate", "produced groups with all rewards equal", registry=r
+        )
+        self.completions = Counter("tandem_completions", "completions generated", registry=r)
+        self.tokens = Counter("tandem_completion_tokens", "completion tokens generated", registry=r)
+        self.reward = Counter("tandem_reward_sum", "sum of completion rewards", registry=r)
+        self.prompts_too_long = Counter(
+            "tandem_prompts_too_long", "prompts skipped: no room within max_model_len", registry=r
+        )
+        self.groups_invalid = Counter("tandem_groups_invalid", "groups dropped: unusable sample", registry=r)
+        self.generate_s = Histogram(
+            "tandem_generate_seconds",
+            "wall time of one generation batch",
+            registry=r,
+            buckets=(0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320),
+        )
+        self.tok_s = Gauge(
+            "tandem_rollout_tokens_per_second", "completion tokens/s of the last batch", registry=r
+        )
+        self.last_group = Gauge(
+            "tandem_last_group_timestamp_seconds", "unix time of the last group", registry=r
+        )
+        Gauge("tandem_queue_depth", "groups waiting", registry=r).set_function(lambda: server.queue.depth)
+        Gauge("tandem_groups_leased", "groups leased, not yet acked", registry=r).set_function(
+            lambda: server.queue.leased
+        )
+        Gauge("tandem_groups_acked", "groups acked since start", registry=r).set_function(
+            lambda: server.queue.acked_total
+        )
+        Gauge("tandem_groups_expired", "leased groups returned by expiry", registry=r).set_function(
+            lambda: server.queue.expired_total
+        )
+        Gauge("tandem_policy_version", "adapter version served", registry=r).set_function(
+            lambda: server.policy.version
+        )
+        Gauge("tandem_sleeping", "1 while asleep", registry=r).set_function(
+            lambda: int(server.producer.sleeping)
+        )
+
+    def observe_batch(self, groups, elapsed_s: float) -> None:
+        tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+        self.groups.inc(len(groups))
+        self.degenerate.inc(sum(len(set(g.rewards)) == 1 for g in groups))
+        self.completions.inc(sum(len(g.completions) for g in groups))
+        self.tokens.inc(tokens)
+        self.reward.inc(sum(sum(g.rewards) for g in groups))
+        self.generate_s.observe(elapsed_s)
+        if elapsed_s > 0:
+            self.tok_s.set(tokens / elapsed_s)
+        if groups:
+            self.last_group.set(time.time())
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

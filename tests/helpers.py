@@ -1,0 +1,127 @@
+"""Start real tandem processes on loopback for end-to-end tests, and make LoRA adapters with peft."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from learner.client import RolloutClient
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
+        TANDEM_API_TOKEN=TOKEN,
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        TOKENIZERS_PARALLELISM="false",
+    )
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A tandem process started in its own process group, with its output in a log file."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
+        self.log_path = log
+        self._log = log.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, *args],
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env or proc_env(),
+            start_new_session=True,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        # Children (vLLM's engine core, DeepSpeed ranks) live in the same group: make sure they are gone.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+def server_args(config: str, port: int, state_dir: Path, overrides: list[str]) -> list[str]:
+    return [
+        "-m",
+        "rollout_server",
+        "--config",
+        config,
+        f"--server.port={port}",
+        f"--server.state_dir={state_dir}",
+        *overrides,
+    ]
+
+
+def start_server(
+    tmp: Path, overrides: list[str], config: str = "deploy/configs/cpu.toml", timeout: float = 400.0
+):
+    port = free_port()
+    proc = Proc(server_args(config, port, tmp / "server", overrides), tmp / "server.log")
+    client = RolloutClient(f"http://127.0.0.1:{port}", token=TOKEN)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"server exited with {proc.proc.returncode}:\n{proc.log()[-4000:]}")
+        try:
+            client.health()
+            return proc, client
+        except Exception:
+            time.sleep(1.0)
+    proc.stop()
+    raise RuntimeError(f"server not healthy after {timeout} s:\n{proc.log()[-4000:]}")
+
+
+def make_adapter(
+    model_dir: str, out: Path, *, seed: int = 0, r: int = 8, targets=("q_proj", "v_proj"), scale=0.05
+):
+    """A peft LoRA adapter with non-zero B (so it changes the model), saved in peft's format."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    model.save_pretrained(out)
+    return out

