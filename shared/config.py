@@ -140,6 +140,11 @@ class LearnerConfig(_Section):
     out_dir: str = "runs/learner"
     checkpoint_every: int = Field(default=10, ge=1)
     connect_timeout_s: float = Field(default=300.0, gt=0, description="wait this long for the server")
+    replay_file: str | None = Field(
+        default=None,
+        description="train on the groups recorded in a previous run's groups.jsonl instead of a server "
+        "(offline: debugging, and checking that N processes reproduce 1)",
+    )
     seed: int = 0
 
 
@@ -156,9 +161,7 @@ class TandemConfig(_Section):
     @model_validator(mode="after")
     def _check(self) -> TandemConfig:
         if self.lora.r > self.server.max_lora_rank:
-            raise ValueError(
-                f"lora.r={self.lora.r} exceeds server.max_lora_rank={self.server.max_lora_rank}"
-            )
+            raise ValueError(f"lora.r={self.lora.r} exceeds server.max_lora_rank={self.server.max_lora_rank}")
         if self.learner.placement == "split" and self.server.max_loras < self.learner.max_staleness + 1:
             raise ValueError("server.max_loras must be >= learner.max_staleness + 1 in split placement")
         return self

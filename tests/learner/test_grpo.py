@@ -64,7 +64,9 @@ def test_dr_grpo_scale_none_is_centered_reward():
 def test_rloo_is_g_over_g_minus_1_times_mean_baseline():
     # r = (1,0,0,0), G=4: RLOO A_0 = 1 - mean(0,0,0) = 1 = 4/3 * 0.75; A_1 = 0 - 1/3 = 4/3 * -0.25.
     r = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
-    assert_close(group_advantages(r, scale="none", baseline="rloo"), torch.tensor([[1.0, -1 / 3, -1 / 3, -1 / 3]]))
+    assert_close(
+        group_advantages(r, scale="none", baseline="rloo"), torch.tensor([[1.0, -1 / 3, -1 / 3, -1 / 3]])
+    )
     g = torch.Generator().manual_seed(0)
     for G in (2, 4, 8, 16):
         r = torch.rand(32, G, generator=g)

@@ -1,0 +1,53 @@
+"""python -m learner --config deploy/configs/cpu.toml [--resume] [--section.key=value ...]
+
+Several processes: `deepspeed --num_gpus N -m learner ...` or `torchrun --nproc-per-node N -m learner ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from shared.cli import parse_cli
+
+DESCRIPTION = (
+    "tandem learner: pulls scored groups from the rollout server, takes GRPO steps on a LoRA adapter "
+    "with DeepSpeed ZeRO-2, and publishes each new adapter version back to the server."
+)
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the newest checkpoint in learner.out_dir"
+    )
+    # Appended by the deepspeed launcher; LOCAL_RANK is read from the environment.
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cfg = parse_cli("python -m learner", DESCRIPTION, argv, _args)
+    from learner.checkpoint import CheckpointError, check_out_dir
+    from learner.client import ServerError
+    from shared.config import ConfigError, check_batch_size
+    from shared.models import ModelError, resolve_model
+
+    try:
+        check_batch_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        if int(os.environ.get("RANK", "0")) == 0:
+            check_out_dir(Path(cfg.learner.out_dir), args.resume)
+        model_path = resolve_model(cfg.model.name)
+        from learner.train import run  # torch, transformers, deepspeed: only once the config is good
+
+        return run(cfg, model_path, args.resume)
+    except (ConfigError, ModelError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The training engine: base model + peft LoRA inside DeepSpeed ZeRO-2. The only module that imports
+deepspeed. Launch with N processes (`deepspeed`/`torchrun`); gloo on CPU, nccl on GPU.
+
+The reference policy is the same module with the adapter disabled (no second copy of the model).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.config import TandemConfig
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def deepspeed_config(cfg: TandemConfig, world_size: int, on_cpu: bool, num_trainable: int) -> dict[str, Any]:
+    ds, lr = cfg.deepspeed, cfg.learner
+    # Buckets sized to the LoRA parameter count: the defaults (5e8 elements, with overlap_comm) reserve
+    # GBs for a model whose trainable part is a few MB (DESIGN.md §8).
+    bucket = int(max(num_trainable, 1_000_000))
+    zero: dict[str, Any] = {
+        "stage": ds.zero_stage,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+    }
+    if ds.offload_optimizer and not on_cpu:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": lr.micro_batch_size,
+        "gradient_accumulation_steps": lr.grad_accum,
+        "train_batch_size": lr.micro_batch_size * lr.grad_accum * world_size,
+        "gradient_clipping": ds.gradient_clipping,
+        "bf16": {"enabled": ds.bf16},
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            # torch's AdamW on CPU: DeepSpeed's CPU Adam would be JIT-compiled first (DESIGN.md §7).
+            "params": {"lr": lr.lr, "weight_decay": lr.weight_decay, "torch_adam": on_cpu},
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(config, ds.overrides)
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def init_distributed() -> tuple[int, int, bool]:
+    """(rank, world_size, on_cpu). Single-process runs need no launcher: the env vars get defaults."""
+    for key, default in [
+        ("RANK", "0"),
+        ("LOCAL_RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+    ]:
+        os.environ.setdefault(key, default)
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = "29511"
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops as ds_ops
+
+    if on_cpu:
+        # The CPU accelerator JIT-builds a shared-memory comm op at init (30-55 s, needs a compiler);
+        # gloo does the job without it.
+        ds_ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    else:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="gloo" if on_cpu else "nccl")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), on_cpu
+
+
+def build_engine(cfg: TandemConfig, model_path: str, world_size: int, on_cpu: bool):
+    """DeepSpeed engine over a PeftModel whose LoRA B is zero: step 0 is exactly the base model."""
+    import deepspeed
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    dtype = _DTYPES["bfloat16" if cfg.deepspeed.bf16 else "float32"]
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    lora = LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, lora)
+    if cfg.learner.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    config = deepspeed_config(cfg, world_size, on_cpu, sum(p.numel() for p in trainable))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    return engine
+
+
+@contextmanager
+def reference_policy(engine):
+    """The base model: the same weights with the adapter switched off, and no autograd."""
+    with torch.no_grad(), engine.module.disable_adapter():
+        yield engine.module
+
+
+def save_checkpoint(engine, folder: Path, client_state: dict) -> None:
+    """All ranks must call this. Only trainable (LoRA) weights and their optimizer state are saved."""
+    engine.save_checkpoint(str(folder), tag="ds", client_state=client_state, exclude_frozen_parameters=True)
+
+
+def load_checkpoint(engine, folder: Path) -> dict:
+    _, client_state = engine.load_checkpoint(str(folder), tag="ds", load_module_strict=False)
+    if client_state is None:
+        raise RuntimeError(f"no DeepSpeed checkpoint under {folder}")
+    return client_state
+
+
+def barrier() -> None:
+    import deepspeed.comm as dist
+
+    dist.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Rank `src`'s Python object on every rank (rank 0 talks to the server; the others follow)."""
+    import deepspeed.comm as dist
+
+    if dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def optimizer_state_numel(engine) -> int:
+    """Elements of optimizer state this rank holds (ZeRO-2 partitions it across ranks)."""
+    total = 0
+    for state in engine.optimizer.optimizer.state.values() if hasattr(engine.optimizer, "optimizer") else []:
+        total += sum(v.numel() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+    return total
+
+
+def gather_objects(obj) -> list:
+    """Every rank's object, on every rank."""
+    import deepspeed.comm as dist
+
+    if dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,56 @@
+"""Where a step's flat metrics dict goes: JSONL always, TensorBoard when available, one console line.
+Only rank 0 writes."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+# DESIGN.md §5: every step's record carries at least these.
+STEP_KEYS = (
+    "reward/mean", "reward/std", "accuracy", "advantage/mean", "advantage/std", "groups/degenerate",
+    "policy/entropy", "kl/ref", "ratio/clipfrac", "completion/length", "completion/truncated",
+    "policy/version_lag", "sampler/logp_diff", "perf/rollout_tok_s", "perf/step_s", "server/queue_depth",
+)  # fmt: skip
+
+
+class MetricsSink:
+    def __init__(self, out_dir: Path, total_steps: int, enabled: bool = True):
+        self.enabled = enabled
+        self.total = total_steps
+        self.path = out_dir / "metrics.jsonl"
+        self._tb = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except ImportError:  # tensorboard is optional; JSONL is the record
+                self._tb = None
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        missing = [k for k in STEP_KEYS if k not in metrics]
+        if missing:
+            raise KeyError(f"step {step} metrics lack {missing}")
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        m = metrics
+        print(
+            f"step {step:>4}/{self.total} v{int(m['policy/version'])} | reward {m['reward/mean']:.3f} "
+            f"| degenerate {m['groups/degenerate']:.2f} | kl {m['kl/ref']:.4f} "
+            f"| clip {m['ratio/clipfrac']:.3f} "
+            f"| len {m['completion/length']:.0f} | |Δlogp| {m['sampler/logp_diff']:.3f} "
+            f"| {m['perf/step_s']:.1f} s/step (pull {m['perf/pull_s']:.1f}, train {m['perf/train_s']:.1f})",
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

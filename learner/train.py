@@ -1,0 +1,280 @@
+"""The GRPO loop. Each step: pull scored groups (leased) -> drop stale ones -> dynamic sampling -> [sleep
+the server] -> per micro-batch: log-probs, reference log-probs, grpo_loss, backward -> optimizer step
+-> checkpoint -> ack -> publish adapter v+1 [-> wake the server] -> metrics.
+
+Rank 0 talks to the server and broadcasts the groups; every rank trains on its shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from learner import checkpoint as ckpt
+from learner.batch import collate, is_degenerate, is_stale, sequences, shard
+from learner.client import RolloutClient, ServerError
+from learner.engine import (
+    broadcast_object,
+    build_engine,
+    gather_objects,
+    init_distributed,
+    optimizer_state_numel,
+    reference_policy,
+)
+from learner.grpo import grpo_loss, token_logprobs
+from learner.metrics import MetricsSink
+from shared.config import TandemConfig, check_batch_size
+from shared.protocol import ScoredGroup
+
+
+@dataclass
+class Pulled:
+    groups: list[ScoredGroup]
+    lease_ids: list[str]
+    seen: int = 0  # non-stale groups pulled
+    stale: int = 0
+    degenerate: int = 0
+    dropped_degenerate: int = 0
+    seconds: float = 0.0
+
+
+def collect_groups(client: RolloutClient, cfg: TandemConfig, version: int) -> Pulled:
+    """B usable groups. Stale ones are dropped; with dynamic sampling degenerate ones too, pulling more
+    for up to max_pull_rounds, after which degenerate groups fill what is missing (they still carry
+    the KL term). Everything pulled is acked with the step, dropped groups included (and counted)."""
+    need, lr = cfg.learner.prompts_per_step, cfg.learner
+    out, spare, rounds, t0 = Pulled([], []), [], 0, time.perf_counter()
+    while len(out.groups) < need:
+        filtering = lr.dynamic_sampling and rounds < lr.max_pull_rounds
+        if not filtering and spare:  # the bound is hit: degenerate groups fill the gap
+            take = need - len(out.groups)
+            out.groups, spare = out.groups + spare[:take], spare[take:]
+            continue
+        resp = client.pull(need - len(out.groups), wait_s=lr.pull_wait_s)
+        rounds += 1
+        if resp.lease_id:
+            out.lease_ids.append(resp.lease_id)
+        for g in resp.groups:
+            if is_stale(g, version, lr.max_staleness):
+                out.stale += 1
+                continue
+            out.seen += 1
+            if is_degenerate(g):
+                out.degenerate += 1
+                if filtering:
+                    spare.append(g)
+                    continue
+            out.groups.append(g)
+    out.dropped_degenerate = len(spare)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def train_step(
+    engine, groups: list[ScoredGroup], cfg: TandemConfig, rank: int, world: int, pad_id: int
+) -> dict:
+    """One optimizer step over all ranks' shards of the step's B x G completions."""
+    g, lr = cfg.grpo, cfg.learner
+    seqs, advantages = sequences(groups, g)
+    total_tokens = sum(len(s.completion) for s in seqs)
+    temperature = cfg.sampling.temperature
+    sums: dict[str, float] = {}
+    for micro in shard(seqs, rank, world, lr.micro_batch_size):
+        b = collate(micro, pad_id)
+        logits = engine(input_ids=b.input_ids, attention_mask=b.attention_mask).logits  # [n, L, V]
+        # The sampler drew from softmax(z / T): that is the policy whose ratio and KL we take.
+        lp, entropy = token_logprobs(
+            logits[:, :-1] / temperature, b.input_ids[:, 1:], chunk_size=lr.logprob_chunk_size
+        )
+        logprobs, entropy = lp.gather(1, b.positions), entropy.gather(1, b.positions)  # [n, T]
+        ref_logprobs = None
+        if g.beta > 0:
+            with reference_policy(engine) as ref_model:
+                ref_logits = ref_model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+                ref_lp, _ = token_logprobs(
+                    ref_logits[:, :-1] / temperature, b.input_ids[:, 1:], chunk_size=lr.logprob_chunk_size
+                )
+            ref_logprobs = ref_lp.gather(1, b.positions)
+        loss, m = grpo_loss(
+            logprobs,
+            b.sampler_logprobs,
+            ref_logprobs,
+            b.advantages,
+            b.mask,
+            epsilon_low=g.epsilon_low,
+            epsilon_high=g.epsilon_high,
+            beta=g.beta,
+            kl_estimator=g.kl_estimator,
+            aggregation=g.aggregation,
+            max_tokens=cfg.sampling.max_new_tokens,
+            is_cap=g.is_cap,
+            total_sequences=len(seqs),
+            total_tokens=total_tokens,
+        )
+        # Each shard's loss is its share of the whole step's loss (global normalisers). DeepSpeed divides
+        # by the accumulation steps and averages over ranks; undo both so gradients are those of the sum.
+        engine.backward(loss * lr.grad_accum * world)
+        engine.step()
+        n = m.pop("tokens")
+        m["policy/entropy"] = float((entropy * b.mask).sum() / max(n, 1.0))
+        m["loss"] = float(loss)
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + (v if k == "loss" else v * n)
+        sums["tokens"] = sums.get("tokens", 0.0) + n
+    merged: dict[str, float] = {}
+    for part in gather_objects(sums):
+        for k, v in part.items():
+            merged[k] = merged.get(k, 0.0) + v
+    tokens = max(merged.pop("tokens"), 1.0)
+    metrics = {k: (v if k == "loss" else v / tokens) for k, v in merged.items()}
+    live = advantages[~torch.tensor([is_degenerate(gr) for gr in groups])]
+    metrics["advantage/mean"] = float(live.mean()) if live.numel() else 0.0
+    metrics["advantage/std"] = float(live.std(correction=0)) if live.numel() else 0.0
+    metrics["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)  # before clipping, all ranks
+    return metrics
+
+
+def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
+    rewards = torch.tensor([r for g in pulled.groups for r in g.rewards])
+    lengths = torch.tensor(
+        [len(c.token_ids) for g in pulled.groups for c in g.completions], dtype=torch.float32
+    )
+    truncated = [c.finish_reason == "length" for g in pulled.groups for c in g.completions]
+    tokens = float(lengths.sum())
+    return {
+        "reward/mean": float(rewards.mean()),
+        "reward/std": float(rewards.std(correction=0)),
+        "accuracy": float((rewards >= 1.0).float().mean()),
+        "groups/degenerate": pulled.degenerate / max(pulled.seen, 1),
+        "groups/stale_dropped": float(pulled.stale),
+        "groups/degenerate_dropped": float(pulled.dropped_degenerate),
+        "completion/length": float(lengths.mean()),
+        "completion/truncated": sum(truncated) / len(truncated),
+        "policy/version_lag": sum(version - g.policy_version for g in pulled.groups) / len(pulled.groups),
+        "perf/rollout_tok_s": tokens / max(pulled.seconds, 1e-9),
+        "perf/pull_s": pulled.seconds,
+    }
+
+
+class _Stop:
+    """SIGTERM/SIGINT: finish the step in progress, checkpoint, exit 0."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(
+            f"[learner] {signal.Signals(signum).name}: finishing this step, then checkpoint and exit",
+            flush=True,
+        )
+
+
+def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
+    rank, world, on_cpu = init_distributed()
+    check_batch_size(cfg, world)
+    out = Path(cfg.learner.out_dir)
+    lead = rank == 0
+    log = (lambda *a: print("[learner]", *a, flush=True)) if lead else (lambda *a: None)
+    stop = _Stop()
+    torch.manual_seed(cfg.learner.seed)  # the same LoRA init on every rank
+
+    replay = cfg.learner.replay_file
+    client = None
+    if lead and not replay:
+        token = os.environ.get(cfg.learner.api_token_env) or None
+        client = RolloutClient(cfg.learner.server_url, token=token)
+        health = client.wait_ready(cfg.learner.connect_timeout_s, log=log)
+        log(f"server ok: {health.backend} backend, {health.model}, serving v{health.policy_version}")
+        if health.group_size != cfg.sampling.group_size:
+            raise ServerError(
+                f"server samples group_size={health.group_size}, learner expects sampling.group_size="
+                f"{cfg.sampling.group_size}: start both from the same config"
+            )
+
+    engine = build_engine(cfg, model_path, world, on_cpu)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    state = ckpt.resume(engine, out, rank) if resume else ckpt.State()
+    if lead and not replay:
+        ckpt.sync_server(client, engine, state, out, log)
+    if lead:
+        ckpt.save_config(cfg, out)
+    digest_start = ckpt.base_digest(engine) if lead else None
+    sink = MetricsSink(out, cfg.learner.steps, enabled=lead)
+    log(
+        f"steps {state.step + 1}..{cfg.learner.steps}, {world} process(es), {cfg.learner.placement} placement"
+    )
+
+    while state.step < cfg.learner.steps:
+        t_step = time.perf_counter()
+        if replay:
+            groups = ckpt.replay_groups(replay, state.step + 1)
+            pulled = Pulled(groups, [], seen=len(groups), degenerate=sum(map(is_degenerate, groups)))
+        else:
+            pulled = broadcast_object(collect_groups(client, cfg, state.version) if lead else None)
+        if client is not None and cfg.learner.placement == "timeslice":
+            client.sleep()  # the server stops producing and frees its memory while we train
+
+        t_train = time.perf_counter()
+        metrics = train_step(engine, pulled.groups, cfg, rank, world, pad_id)
+        train_s = time.perf_counter() - t_train
+        state.step += 1
+        state.version += 1
+        state.pending_leases = pulled.lease_ids
+
+        t_pub = time.perf_counter()
+        stopping = broadcast_object(stop.requested)  # rank 0 decides, so no rank waits alone in a collective
+        adapter = ckpt.save_adapter(engine, out, state.version) if lead else None
+        if state.step % cfg.learner.checkpoint_every == 0 or stopping or state.step == cfg.learner.steps:
+            ckpt.save(engine, out, state, rank)  # before the ack: a crash in between never loses groups
+        if lead:
+            ckpt.record_groups(out, state.step, pulled.groups)
+        health = None
+        if client is not None:
+            for lease_id in pulled.lease_ids:
+                client.ack(lease_id)
+            client.publish(state.version, adapter)
+            if cfg.learner.placement == "timeslice":
+                client.wake()
+            health = client.health()
+        state.pending_leases = []
+
+        metrics |= batch_metrics(pulled, state.version - 1)
+        metrics |= {
+            "policy/version": float(state.version),
+            "perf/train_s": train_s,
+            "perf/publish_s": time.perf_counter() - t_pub,
+            "perf/step_s": time.perf_counter() - t_step,
+            "server/queue_depth": float(health.queue_depth) if health else 0.0,
+        }
+        sink.write(state.step, metrics)
+        if stopping:
+            break
+
+    sink.close()
+    optimizer_numel = gather_objects(optimizer_state_numel(engine))
+    if lead:
+        summary = {
+            "step": state.step, "policy_version": state.version, "world_size": world,
+            "base_sha256_start": digest_start, "base_sha256_end": ckpt.base_digest(engine),
+            "optimizer_state_numel_per_rank": optimizer_numel,
+        }  # fmt: skip
+        (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(
+        f"done at step {state.step}; server serves v{state.version}"
+        + (" (stopped by signal)" if stop.requested else "")
+    )
+    return 0

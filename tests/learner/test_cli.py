@@ -1,0 +1,73 @@
+"""The learner's command line: bad configs and an unreachable server end in one clear line, not a
+traceback; --help imports no heavy stack."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO, free_port, proc_env
+
+
+def _learner(*args, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "learner", "--config", "deploy/configs/cpu.toml", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+        env=proc_env(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--learner.grad_accum=3"],
+            "batch size: learner.prompts_per_step x sampling.group_size = 4 x 8 = 32",
+        ),
+        (["--learner.bogus=1"], "invalid config: learner.bogus: unknown key"),
+        (["--sampling.group_size=1"], "sampling.group_size: Input should be greater than or equal to 2"),
+        (["--model.name=/nonexistent/model"], "model folder /nonexistent/model has no config.json"),
+        (["--learner.lr=-1"], "learner.lr: Input should be greater than 0"),
+    ],
+)
+def test_bad_config_is_one_line_and_nonzero(args, message, tmp_path):
+    out = _learner(*args, f"--learner.out_dir={tmp_path}/run")
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], out.stderr
+
+
+def test_unwritable_out_dir_fails_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    out = _learner(f"--learner.out_dir={blocker}/run")
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith(f"error: learner.out_dir={blocker}/run is not writable")
+
+
+def test_unreachable_server_gives_a_clear_message_after_a_bounded_wait(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    out = _learner(
+        f"--learner.server_url={url}", "--learner.connect_timeout_s=3", f"--learner.out_dir={tmp_path}/r"
+    )
+    assert out.returncode == 3, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: rollout server at {url} did not become healthy within 3 s")
+
+
+def test_help_imports_no_heavy_stack():
+    code = (
+        "import sys, runpy\n"
+        "for mod in ('learner', 'rollout_server'):\n"
+        "    sys.argv = [mod, '--help']\n"
+        "    try: runpy.run_module(mod, run_name='__main__')\n"
+        "    except SystemExit: pass\n"
+        "heavy = ('torch', 'deepspeed', 'vllm', 'transformers')\n"
+        "print('HEAVY', sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert "--resume" in out.stdout and "--section.key=value" in out.stdout
+    assert "HEAVY []" in out.stdout, out.stdout[-500:]

@@ -1,0 +1,203 @@
+"""The learner end to end: a real rollout server (vLLM backend) as a subprocess, the real DeepSpeed ZeRO-2
+engine, SmolLM2-135M, on CPU. One server for the module; each test starts its own learner(s)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from learner.metrics import STEP_KEYS
+from tests.helpers import Proc, free_port, proc_env, start_server
+
+pytestmark = pytest.mark.slow
+
+SERVER = [
+    "--sampling.group_size=4",
+    "--sampling.max_new_tokens=32",
+    "--server.prompts_per_batch=2",
+    "--server.queue_size=6",
+    "--server.lease_s=20",
+    "--data.arith_difficulty=1",
+]
+LEARNER = [
+    "--learner.prompts_per_step=2",
+    "--learner.micro_batch_size=4",
+    "--learner.grad_accum=2",
+    "--learner.dynamic_sampling=false",
+    "--learner.pull_wait_s=120",
+    "--learner.lr=2e-4",
+]
+# Two processes vs one on the same groups, fp32: the gradients agree to float rounding, and Adam's first
+# step moves each element by ±lr·g/(|g|+eps) ≈ ±lr. A flipped element would differ by 2·lr = 4e-4.
+ADAPTER_TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    tmp = tmp_path_factory.mktemp("learner-server")
+    proc, client = start_server(tmp, [*SERVER, "--server.backend=vllm"])
+    yield proc, client, tmp
+    client.close()
+    proc.stop()
+
+
+def learner(
+    server_url: str, out: Path, extra: list[str], log: Path, launcher: list[str] | None = None
+) -> Proc:
+    args = [
+        *(launcher or []),
+        "-m",
+        "learner",
+        "--config",
+        "deploy/configs/cpu.toml",
+        *SERVER,
+        *LEARNER,
+        f"--learner.server_url={server_url}",
+        f"--learner.out_dir={out}",
+        *extra,
+    ]
+    return Proc(args, log, env=proc_env(OMP_NUM_THREADS="1"))
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _lora(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def three_steps(server, tmp_path_factory):
+    proc_s, client, tmp = server
+    out = tmp_path_factory.mktemp("three") / "run"
+    started = time.time()
+    p = learner(client.url, out, ["--learner.steps=3"], out.parent / "learner.log")
+    rc = p.wait(timeout=900)
+    assert rc == 0, p.log()[-5000:]
+    return out, started, time.time(), p.log()
+
+
+def test_three_steps_train_the_adapter_and_leave_the_base_alone(server, three_steps):
+    _, client, _ = server
+    out, _, _, log = three_steps
+    assert client.health().policy_version == 3
+    summary = json.loads((out / "run_summary.json").read_text())
+    assert summary["step"] == 3 and summary["policy_version"] == 3
+    assert summary["base_sha256_start"] == summary["base_sha256_end"]  # frozen base: bit-identical
+    # LoRA B starts at zero (step 0 is the base model) and must have moved; A is trained too.
+    v1, v3 = _lora(out / "adapters" / "v1"), _lora(out / "adapters" / "v3")
+    b_keys = [k for k in v3 if "lora_B" in k]
+    assert b_keys and all(v3[k].abs().max() > 0 for k in b_keys)
+    assert any(not torch.equal(v1[k], v3[k]) for k in v3)
+    assert "step    3/3 v3" in log
+
+
+def test_metrics_hold_every_diagnostic_for_every_step(three_steps):
+    out = three_steps[0]
+    records = _jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert set(STEP_KEYS) <= set(r)
+        assert abs(r["advantage/mean"]) < 1e-6
+        assert r["kl/ref"] >= 0
+        assert 0 <= r["groups/degenerate"] <= 1 and 0 <= r["ratio/clipfrac"] <= 1
+        assert r["policy/version_lag"] == 0  # timeslice is on-policy
+    assert records[0]["kl/ref"] == 0.0  # step 1 trains from B = 0: the policy is the reference
+    assert (out / "tensorboard").is_dir() and (out / "config.json").is_file()
+
+
+def test_timeslice_server_idles_while_the_learner_trains(server, three_steps):
+    _, _, tmp = server
+    _, started, ended, _ = three_steps
+    events = [e for e in _jsonl(tmp / "server" / "events.jsonl") if started <= e["t"] <= ended]
+    sleeps = [e["t"] for e in events if e["event"] == "sleep"]
+    wakes = [e["t"] for e in events if e["event"] == "wake"]
+    assert len(sleeps) == 3 and len(wakes) == 3
+    groups = [e for e in events if e["event"] == "group"]
+    for s, w in zip(sleeps, wakes, strict=True):
+        assert s < w
+        assert not [g for g in groups if s < g["t"] < w], "a group was produced during a training phase"
+    for w, next_sleep in zip(wakes[:-1], sleeps[1:], strict=True):
+        assert [g for g in groups if w < g["t"] < next_sleep], "production did not resume after the wake"
+
+
+def test_two_processes_reproduce_one_on_the_same_groups(three_steps, tmp_path):
+    out = three_steps[0]
+    two = tmp_path / "two"
+    p = learner(
+        "http://127.0.0.1:1",
+        two,
+        ["--learner.steps=1", f"--learner.replay_file={out / 'groups.jsonl'}", "--learner.grad_accum=1"],
+        tmp_path / "two.log",
+        launcher=["-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"],
+    )
+    assert p.wait(timeout=600) == 0, p.log()[-5000:]
+    one_m, two_m = _jsonl(out / "metrics.jsonl")[0], _jsonl(two / "metrics.jsonl")[0]
+    assert two_m["grad_norm"] == pytest.approx(one_m["grad_norm"], rel=1e-4)
+    assert two_m["loss"] == pytest.approx(one_m["loss"], rel=1e-4, abs=1e-7)
+    a, b = _lora(out / "adapters" / "v1"), _lora(two / "adapters" / "v1")
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < ADAPTER_TOLERANCE
+    one_s = json.loads((out / "run_summary.json").read_text())["optimizer_state_numel_per_rank"]
+    two_s = json.loads((two / "run_summary.json").read_text())["optimizer_state_numel_per_rank"]
+    assert len(one_s) == 1 and len(two_s) == 2
+    for part in two_s:  # ZeRO-2: each rank keeps about half of the optimizer state
+        assert abs(part - one_s[0] / 2) <= 0.01 * one_s[0], (part, one_s)
+
+
+def test_resume_after_sigkill_trains_every_leased_group_exactly_once(server, tmp_path):
+    _, client, tmp = server
+    out = tmp_path / "run"
+    events_file = tmp / "server" / "events.jsonl"
+    started = time.time()
+    first = learner(
+        client.url, out, ["--learner.steps=4", "--learner.checkpoint_every=1"], tmp_path / "1.log"
+    )
+    # Kill during step 3's training phase: after the step-2 checkpoint and step 3's sleep, when step 3's
+    # groups are leased and not acked.
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        latest = out / "checkpoints" / "latest"
+        sleeps = [e for e in _jsonl(events_file) if e["t"] >= started and e["event"] == "sleep"]
+        if latest.is_file() and latest.read_text() == "step-2" and len(sleeps) == 3:
+            break
+        assert first.alive(), first.log()[-4000:]
+        time.sleep(0.2)
+    else:
+        pytest.fail("the learner never reached step 3")
+    first.signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    killed_at = time.time()
+    events = [e for e in _jsonl(events_file) if e["t"] >= started]
+    acked = {e["lease_id"] for e in events if e["event"] == "ack"}
+    unacked = [
+        gid for e in events if e["event"] == "lease" and e["lease_id"] not in acked for gid in e["group_ids"]
+    ]
+    assert unacked, "step 3's groups should have been leased and not acked"
+
+    second = learner(
+        client.url, out, ["--learner.steps=4", "--learner.checkpoint_every=1", "--resume"], tmp_path / "2.log"
+    )
+    assert second.wait(timeout=900) == 0, second.log()[-5000:]
+    assert "at step 2, policy v2" in second.log()
+    records = _jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    trained = _jsonl(out / "groups.jsonl")
+    assert [t["step"] for t in trained] == [1, 2, 3, 4]
+    ids = [g["group_id"] for t in trained for g in t["groups"]]
+    assert len(ids) == len(set(ids)), "a group was trained twice"
+    for gid in unacked:
+        assert ids.count(gid) == 1, f"leased-but-unacked group {gid} trained {ids.count(gid)} times"
+    step3 = next(t for t in trained if t["step"] == 3)
+    assert {g["policy_version"] for g in step3["groups"]} == {2}  # from the adapter it resumed from
+    assert client.health().policy_version == 4
+    assert killed_at < next(
+        e["t"] for e in _jsonl(events_file) if e["event"] == "publish" and e["version"] == 3
+    )

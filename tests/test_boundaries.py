@@ -1,0 +1,65 @@
+"""STYLE.md §1: rollout_server and learner never import each other; shared imports neither nor any heavy
+stack at module level; vllm is imported in one module and deepspeed in one module."""
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _files(pkg: str):
+    return sorted((REPO / pkg).rglob("*.py"))
+
+
+def test_server_and_learner_do_not_import_each_other():
+    for f in _files("rollout_server"):
+        assert "learner" not in _imports(f), f
+    for f in _files("learner"):
+        assert "rollout_server" not in _imports(f), f
+
+
+def test_shared_is_light_at_import():
+    for f in _files("shared"):
+        heavy = _top_level_imports(f) & {
+            "torch",
+            "vllm",
+            "deepspeed",
+            "fastapi",
+            "transformers",
+            "learner",
+            "rollout_server",
+        }
+        assert not heavy, (f, heavy)
+
+
+def test_one_module_imports_each_engine():
+    users = {
+        engine: sorted(
+            str(f.relative_to(REPO))
+            for pkg in ("shared", "rollout_server", "learner")
+            for f in _files(pkg)
+            if engine in _imports(f)
+        )
+        for engine in ("vllm", "deepspeed")
+    }
+    assert users == {"vllm": ["rollout_server/vllm_backend.py"], "deepspeed": ["learner/engine.py"]}
