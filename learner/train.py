@@ -76,6 +76,15 @@ def collect_groups(client: RolloutClient, cfg: TandemConfig, version: int) -> Pu
     return out
 
 
+def _completion_logprobs(logits, b, temperature: float, chunk_size: int):
+    """Log-probs and entropies [n, T] of the completion tokens under softmax(logits / T): the sampler
+    drew from that distribution, so it is the policy whose ratio and KL we take."""
+    if temperature != 1.0:
+        logits.div_(temperature)  # in place: the matmul that made the logits does not need them back
+    lp, entropy = token_logprobs(logits[:, :-1], b.input_ids[:, 1:], chunk_size=chunk_size)  # [n, L-1]
+    return lp.gather(1, b.positions), entropy.gather(1, b.positions)
+
+
 def train_step(
     engine, groups: list[ScoredGroup], cfg: TandemConfig, rank: int, world: int, pad_id: int
 ) -> dict:
@@ -88,19 +97,12 @@ def train_step(
     for micro in shard(seqs, rank, world, lr.micro_batch_size):
         b = collate(micro, pad_id)
         logits = engine(input_ids=b.input_ids, attention_mask=b.attention_mask).logits  # [n, L, V]
-        # The sampler drew from softmax(z / T): that is the policy whose ratio and KL we take.
-        lp, entropy = token_logprobs(
-            logits[:, :-1] / temperature, b.input_ids[:, 1:], chunk_size=lr.logprob_chunk_size
-        )
-        logprobs, entropy = lp.gather(1, b.positions), entropy.gather(1, b.positions)  # [n, T]
+        logprobs, entropy = _completion_logprobs(logits, b, temperature, lr.logprob_chunk_size)  # [n, T]
         ref_logprobs = None
         if g.beta > 0:
             with reference_policy(engine) as ref_model:
                 ref_logits = ref_model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-                ref_lp, _ = token_logprobs(
-                    ref_logits[:, :-1] / temperature, b.input_ids[:, 1:], chunk_size=lr.logprob_chunk_size
-                )
-            ref_logprobs = ref_lp.gather(1, b.positions)
+                ref_logprobs, _ = _completion_logprobs(ref_logits, b, temperature, lr.logprob_chunk_size)
         loss, m = grpo_loss(
             logprobs,
             b.sampler_logprobs,

@@ -1,0 +1,177 @@
+"""Will this config fit the GPU? An estimate of GPU memory per process and phase, before any launch.
+
+    python -m learner.preflight --config deploy/configs/gpu-8gb-timeslice.toml --gpu-gib 8
+
+Accounting (bytes): a frozen bf16 parameter costs 2; a trainable one under mixed-precision Adam 16 (bf16
+weight 2 + bf16 grad 2 + fp32 master 4 + two fp32 moments 8), or 4 on the GPU when the optimizer is
+offloaded to CPU (weight + grad; master and moments live in host RAM). With LoRA only the adapter is
+trainable and the reference policy costs nothing (the adapter is disabled, no second copy). Activations
+follow Korthikanti et al. 2022 (34·s·h bytes per layer in 16-bit without recomputation, plus 5·a·s² for
+attention scores unless a fused attention kernel is used, which vLLM and PyTorch SDPA are); with
+gradient checkpointing only each layer's input (2·s·h) is kept, plus one layer recomputed. The model's
+dimensions come from its config.json, which needs no weights (a hub id is read from the local HF cache or
+fetched; `--dims` takes them by hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+
+from shared.config import TandemConfig, load_config, split_overrides
+
+GIB = 2**30
+CUDA_CONTEXT = 0.5 * GIB  # per process: CUDA context, cuBLAS workspaces, allocator slack
+VLLM_OVERHEAD = 0.6 * GIB  # vLLM's sampler buffers and warm-up activations on top of the context
+
+# DeepSeek-R1-Distill-Qwen-1.5B (Qwen2 architecture), from its config.json.
+R1_DISTILL_1_5B = dict(
+    hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+    intermediate_size=8960, vocab_size=151936, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def from_config(cls, c: dict) -> Dims:
+        return cls(
+            c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"],
+            c.get("num_key_value_heads", c["num_attention_heads"]), c["intermediate_size"], c["vocab_size"],
+            c.get("tie_word_embeddings", False),
+        )  # fmt: skip
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def params(self) -> int:
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        attn = h * h * 2 + h * kv * 2 + h + 2 * kv  # q, o, k, v (+ Qwen's q/k/v biases)
+        mlp = 3 * h * self.intermediate
+        per_layer = attn + mlp + 2 * h  # two RMSNorms
+        embed = self.vocab * h * (1 if self.tied else 2)
+        return self.layers * per_layer + embed + h
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        h, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        shapes = {
+            "q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        }  # fmt: skip
+        return self.layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
+
+
+def estimate(cfg: TandemConfig, d: Dims, prompt_tokens: int = 256) -> dict[str, dict[str, float]]:
+    """Bytes per item, per process and phase."""
+    s = prompt_tokens + cfg.sampling.max_new_tokens  # one sequence's length
+    b = cfg.learner.micro_batch_size
+    P, L = d.params(), d.lora_params(cfg.lora.r, cfg.lora.target_modules)
+    weights = 2 * P
+    kv_per_token = 2 * d.layers * d.kv_heads * d.head_dim * 2  # K and V, bf16
+    sequences = cfg.server.prompts_per_batch * cfg.sampling.group_size
+    server = {
+        "base weights (bf16)": weights,
+        f"KV cache ({sequences} seqs x {s} tokens)": kv_per_token * sequences * s,
+        f"LoRA slots (max_loras={cfg.server.max_loras})": 2 * L * cfg.server.max_loras,
+        "CUDA context + vLLM buffers": CUDA_CONTEXT + VLLM_OVERHEAD,
+    }
+    act_layer = 34 * s * b * d.hidden  # fused attention: no s^2 term
+    activations = (
+        d.layers * 2 * s * b * d.hidden + act_layer
+        if cfg.learner.gradient_checkpointing
+        else d.layers * act_layer
+    )
+    chunk = min(cfg.learner.logprob_chunk_size, s * b)
+    offload = cfg.deepspeed.offload_optimizer
+    learner = {
+        "base weights (bf16, frozen: 2 B/param)": weights,
+        f"LoRA + Adam ({L / 1e6:.1f}M params x {4 if offload else 16} B)": L * (4 if offload else 16),
+        "activations" + (" (checkpointed)" if cfg.learner.gradient_checkpointing else ""): activations,
+        # The policy's bf16 logits (kept for backward) and, at backward, their gradient; the reference
+        # pass's bf16 logits exist alongside the policy's; one fp32 chunk in the chunked log-softmax.
+        "logits (policy + its grad + reference, bf16; fp32 chunk)": 3 * 2 * s * b * d.vocab
+        + 4 * chunk * d.vocab,
+        "CUDA context": CUDA_CONTEXT,
+    }
+    full = {
+        "weights + Adam, every parameter trainable (16 B/param)": 16 * P,
+        "activations": d.layers * act_layer,
+    }
+    return {"server": server, "learner": learner, "full_finetune": full}
+
+
+def report(cfg: TandemConfig, d: Dims, gpu_gib: float) -> tuple[str, dict[str, bool]]:
+    e = estimate(cfg, d)
+    server, learner = sum(e["server"].values()), sum(e["learner"].values())
+    weights = e["learner"]["base weights (bf16, frozen: 2 B/param)"]
+    asleep = CUDA_CONTEXT  # vLLM sleep level 1: weights to host RAM, KV cache freed
+    plans = {
+        # One GPU, time-sliced: while the learner trains the server sleeps; while the server generates the
+        # learner keeps only its context (it moves its frozen weights to host RAM for the rollout phase).
+        "time-sliced (one GPU)": max(learner + asleep, server + learner - weights),
+        "both resident (one GPU)": server + learner,
+        "split (server GPU)": server,
+        "split (learner GPU)": learner,
+    }
+    lines = [
+        f"model: {d.params() / 1e9:.2f}B params, LoRA r={cfg.lora.r}: {d.lora_params(cfg.lora.r, cfg.lora.target_modules) / 1e6:.2f}M trainable"
+    ]
+    for proc in ("server", "learner"):
+        lines.append(f"\n{proc} ({sum(e[proc].values()) / GIB:.2f} GiB):")
+        for k, v in sorted(e[proc].items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {v / GIB:7.2f} GiB  {k}")
+    lines.append(f"\nfor reference, full fine-tuning: {sum(e['full_finetune'].values()) / GIB:.1f} GiB")
+    lines.append(f"\nplacement on a {gpu_gib:g} GiB GPU:")
+    fits = {}
+    for name, total in plans.items():
+        fits[name] = total <= gpu_gib * GIB
+        lines.append(f"  {'fits   ' if fits[name] else 'DOES NOT FIT'}  {total / GIB:6.2f} GiB  {name}")
+    if not fits["time-sliced (one GPU)"]:
+        hints = []
+        if not cfg.learner.gradient_checkpointing:
+            hints.append("--learner.gradient_checkpointing=true")
+        if not cfg.deepspeed.offload_optimizer:
+            hints.append("--deepspeed.offload_optimizer=true")
+        hints.append("a smaller --sampling.max_new_tokens or --learner.micro_batch_size")
+        lines.append("  to fit time-sliced, try: " + ", ".join(hints))
+    return "\n".join(lines), fits
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m learner.preflight", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", metavar="TOML")
+    p.add_argument("--gpu-gib", type=float, default=8.0)
+    p.add_argument(
+        "--dims", metavar="JSON", help="model dimensions (a config.json file) instead of model.name's"
+    )
+    rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(rest)
+    cfg = load_config(args.config, overrides)
+    if args.dims:
+        dims = Dims.from_config(json.loads(open(args.dims).read()))
+    elif cfg.model.name == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B":
+        dims = Dims.from_config(R1_DISTILL_1_5B)
+    else:
+        from transformers import AutoConfig
+
+        from shared.models import resolve_model
+
+        dims = Dims.from_config(AutoConfig.from_pretrained(resolve_model(cfg.model.name)).to_dict())
+    text, fits = report(cfg, dims, args.gpu_gib)
+    print(text)
+    return 0 if fits["time-sliced (one GPU)"] or fits["split (learner GPU)"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
