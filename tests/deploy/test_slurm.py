@@ -1,0 +1,86 @@
+"""The SLURM launch logic, on one machine: the server job publishes its URL in the run folder and the
+learner job finds it there."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, free_port, proc_env
+
+SCRIPTS = sorted((REPO / "deploy" / "slurm").iterdir())
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert os.access(script, os.X_OK)
+
+
+def test_learner_gives_up_clearly_without_a_server(tmp_path):
+    env = proc_env(TANDEM_RUN_DIR=str(tmp_path), TANDEM_WAIT_S="2", TANDEM_PYTHON=sys.executable)
+    out = subprocess.run(
+        ["deploy/slurm/run.sh", "learner", "deploy/configs/cpu.toml"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1 and "server_url" in out.stderr
+
+
+@pytest.mark.slow
+def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path):
+    port = free_port()
+    env = proc_env(
+        TANDEM_RUN_DIR=str(tmp_path),
+        TANDEM_PORT=str(port),
+        TANDEM_HOST="127.0.0.1",
+        TANDEM_PYTHON=sys.executable,
+        OMP_NUM_THREADS="1",
+    )
+    small = [
+        "--sampling.group_size=2",
+        "--sampling.max_new_tokens=8",
+        "--server.prompts_per_batch=2",
+        "--server.backend=hf",
+        "--server.host=127.0.0.1",
+    ]
+    server = subprocess.Popen(
+        ["deploy/slurm/run.sh", "server", "deploy/configs/cpu.toml", *small],
+        env=env,
+        cwd=REPO,
+        stdout=(tmp_path / "server.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        learner = subprocess.run(
+            [
+                "deploy/slurm/run.sh",
+                "learner",
+                "deploy/configs/cpu.toml",
+                *small,
+                "--learner.steps=1",
+                "--learner.prompts_per_step=2",
+                "--learner.micro_batch_size=2",
+                "--learner.grad_accum=2",
+                "--learner.dynamic_sampling=false",
+            ],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert learner.returncode == 0, learner.stdout[-3000:] + learner.stderr[-3000:]
+        assert (tmp_path / "server_url").read_text().strip() == f"http://127.0.0.1:{port}"
+        assert f"learner connecting to http://127.0.0.1:{port}" in learner.stdout
+        assert (tmp_path / "learner" / "adapters" / "v1" / "adapter_model.safetensors").is_file()
+        assert (Path(tmp_path) / "server" / "adapters" / "v1").is_dir()  # published to the server
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=60)
