@@ -133,7 +133,7 @@ def sync_server(client: RolloutClient, engine, state: State, out: Path, log) -> 
         try:
             client.ack(lease_id)
         except ServerError as e:
-            log(f"could not ack lease {lease_id} from before the restart ({e}); its groups may return")
+            log(f"WARNING: could not ack lease {lease_id} from before the restart: {e}")
     state.pending_leases = []
     health = client.health()
     if health.sleeping:  # a previous learner may have died between sleep and wake

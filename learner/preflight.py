@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from shared.config import TandemConfig, load_config, split_overrides
 
@@ -124,9 +125,8 @@ def report(cfg: TandemConfig, d: Dims, gpu_gib: float) -> tuple[str, dict[str, b
         "split (server GPU)": server,
         "split (learner GPU)": learner,
     }
-    lines = [
-        f"model: {d.params() / 1e9:.2f}B params, LoRA r={cfg.lora.r}: {d.lora_params(cfg.lora.r, cfg.lora.target_modules) / 1e6:.2f}M trainable"
-    ]
+    trainable = d.lora_params(cfg.lora.r, cfg.lora.target_modules)
+    lines = [f"model: {d.params() / 1e9:.2f}B params, LoRA r={cfg.lora.r}: {trainable / 1e6:.2f}M trainable"]
     for proc in ("server", "learner"):
         lines.append(f"\n{proc} ({sum(e[proc].values()) / GIB:.2f} GiB):")
         for k, v in sorted(e[proc].items(), key=lambda kv: -kv[1]):
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(rest)
     cfg = load_config(args.config, overrides)
     if args.dims:
-        dims = Dims.from_config(json.loads(open(args.dims).read()))
+        dims = Dims.from_config(json.loads(Path(args.dims).read_text()))
     elif cfg.model.name == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B":
         dims = Dims.from_config(R1_DISTILL_1_5B)
     else:

@@ -58,19 +58,23 @@ def collect_groups(client: RolloutClient, cfg: TandemConfig, version: int) -> Pu
             continue
         resp = client.pull(need - len(out.groups), wait_s=lr.pull_wait_s)
         rounds += 1
-        if resp.lease_id:
-            out.lease_ids.append(resp.lease_id)
+        kept = 0
         for g in resp.groups:
             if is_stale(g, version, lr.max_staleness):
                 out.stale += 1
                 continue
             out.seen += 1
+            kept += 1
             if is_degenerate(g):
                 out.degenerate += 1
                 if filtering:
                     spare.append(g)
                     continue
             out.groups.append(g)
+        if resp.lease_id and kept:
+            out.lease_ids.append(resp.lease_id)
+        elif resp.lease_id:  # only stale groups: done with them now, before the lease can run out
+            ack(client, resp.lease_id)
     out.dropped_degenerate = len(spare)
     out.seconds = time.perf_counter() - t0
     return out
@@ -83,6 +87,17 @@ def _completion_logprobs(logits, b, temperature: float, chunk_size: int):
         logits.div_(temperature)  # in place: the matmul that made the logits does not need them back
     lp, entropy = token_logprobs(logits[:, :-1], b.input_ids[:, 1:], chunk_size=chunk_size)  # [n, L-1]
     return lp.gather(1, b.positions), entropy.gather(1, b.positions)
+
+
+def ack(client: RolloutClient, lease_id: str) -> None:
+    """Ack a lease. One that expired and whose groups went out again is reported, not fatal: the groups
+    were trained on here, and stopping would not undo the other copy (raise server.lease_s)."""
+    try:
+        client.ack(lease_id)
+    except ServerError as e:
+        if e.status not in (404, 409):
+            raise
+        print(f"[learner] WARNING: {e}", flush=True)
 
 
 def train_step(
@@ -125,7 +140,7 @@ def train_step(
         engine.step()
         n = m.pop("tokens")
         m["policy/entropy"] = float((entropy * b.mask).sum() / max(n, 1.0))
-        m["loss"] = float(loss)
+        m["loss"] = loss.item()
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + (v if k == "loss" else v * n)
         sums["tokens"] = sums.get("tokens", 0.0) + n
@@ -247,7 +262,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
         health = None
         if client is not None:
             for lease_id in pulled.lease_ids:
-                client.ack(lease_id)
+                ack(client, lease_id)
             client.publish(state.version, adapter)
             if cfg.learner.placement == "timeslice":
                 client.wake()

@@ -73,7 +73,12 @@ class ServerConfig(_Section):
         description="environment variable holding the bearer token for mutating endpoints "
         "(unset or empty = no auth)",
     )
-    queue_size: int = Field(default=64, ge=1, description="max scored groups waiting to be pulled")
+    queue_size: int = Field(
+        default=64,
+        ge=1,
+        description="max scored groups queued or leased; time-sliced, ~learner.prompts_per_step (the rest "
+        "goes stale while the learner trains)",
+    )
     prompts_per_batch: int = Field(default=8, ge=1, description="prompts sent to the backend at once")
     lease_s: float = Field(default=300.0, gt=0, description="un-acked groups return to the queue after this")
     state_dir: str = Field(default="runs/server", description="cursor and adapter store")

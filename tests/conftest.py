@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 def gsm8k_dir() -> Path:
     path = Path(os.environ.get("TANDEM_GSM8K", REPO.parent / "shared" / "data" / "gsm8k"))
     if not (path / "test.jsonl").is_file():
-        pytest.fail(f"GSM8K not found at {path}: set TANDEM_GSM8K to a folder with train.jsonl and test.jsonl")
+        pytest.fail(
+            f"GSM8K not found at {path}: set TANDEM_GSM8K to a folder with train.jsonl and test.jsonl"
+        )
     return path
 
 

@@ -12,13 +12,17 @@ def test_defaults_match_design():
     assert (cfg.grpo.std, cfg.grpo.scale_rewards, cfg.grpo.baseline) == ("population", "group", "mean")
     assert (cfg.grpo.epsilon_low, cfg.grpo.epsilon_high, cfg.grpo.beta) == (0.2, 0.2, 0.04)
     assert (cfg.grpo.kl_estimator, cfg.grpo.aggregation) == ("k3", "seq_mean_token_mean")
-    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (16, 32.0, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert (cfg.lora.r, cfg.lora.alpha, cfg.lora.target_modules) == (
+        16,
+        32.0,
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
     assert cfg.server.host == "127.0.0.1"
 
 
 def test_toml_then_overrides(tmp_path):
     f = tmp_path / "x.toml"
-    f.write_text('[sampling]\ngroup_size = 8\nmax_new_tokens = 64\n[lora]\nr = 8\n[learner]\nlr = 1e-4\n')
+    f.write_text("[sampling]\ngroup_size = 8\nmax_new_tokens = 64\n[lora]\nr = 8\n[learner]\nlr = 1e-4\n")
     cfg = load_config(f, ["sampling.group_size=6", "lora.target_modules=['q_proj']", "model.name=my/model"])
     assert cfg.sampling.group_size == 6  # CLI beats TOML
     assert cfg.sampling.max_new_tokens == 64  # TOML beats default
@@ -56,7 +60,9 @@ def test_cross_field_rules():
 def test_batch_size_invariant_names_all_three():
     cfg = load_config(None, ["learner.prompts_per_step=2", "sampling.group_size=4", "learner.grad_accum=4"])
     assert check_batch_size(cfg, world_size=2) == 8  # 2 x 4 = 1 x 4 x 2
-    with pytest.raises(ConfigError, match=r"micro_batch_size x learner.grad_accum x world_size = 1 x 4 x 1 = 4"):
+    with pytest.raises(
+        ConfigError, match=r"micro_batch_size x learner.grad_accum x world_size = 1 x 4 x 1 = 4"
+    ):
         check_batch_size(cfg, world_size=1)
 
 
@@ -95,7 +101,9 @@ def test_cli_error_is_one_line():
     # The learner's and server's entry points share this path: a bad override is one line on stderr, rc 2.
     out = subprocess.run(
         [sys.executable, "-m", "rollout_server", "--sampling.group_size=1", "--check-config"],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
     assert out.returncode == 2
     assert out.stderr.strip() == (

@@ -25,17 +25,22 @@ def test_embedded_model_generates_through_its_chat_template(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     enc = tok.apply_chat_template(
         [{"role": "user", "content": "What is 2 + 3? Reply with just the number."}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     out = model.generate(**enc, max_new_tokens=12, do_sample=False)
-    reply = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    reply = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "5" in reply, reply
 
 
 def test_local_folder_and_hub_id_and_errors(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model(str(tmp_path)) == str(tmp_path.resolve())
-    assert resolve_model("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B") == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+    assert (
+        resolve_model("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B")
+        == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+    )
     with pytest.raises(ModelError, match="has no config.json"):
         resolve_model(str(tmp_path / "missing"))
     with pytest.raises(ModelError, match="not an embedded name"):

@@ -31,12 +31,18 @@ EXAMPLES = [
     P.PullResponse(lease_id=None, lease_s=0.0, groups=[]),
     P.AckRequest(lease_id="abc"),
     P.AckResponse(acked=2),
-    P.Health(backend="vllm", model="m", policy_version=0, sleeping=False, group_size=4, queue_depth=0, leased=0),
+    P.Health(
+        backend="vllm", model="m", policy_version=0, sleeping=False, group_size=4, queue_depth=0, leased=0
+    ),
     P.AdapterPathRequest(version=2, path="v2"),
     P.AdapterPublished(version=2, name="policy-v2"),
     P.GenerateRequest(prompts=["q"], version=1, n=2, temperature=0.7, max_tokens=16),
     P.GeneratedText(text="a", token_ids=[1], finish_reason="stop"),
-    P.GenerateResponse(version=1, prompt_token_ids=[[1]], outputs=[[P.GeneratedText(text="a", token_ids=[1], finish_reason="length")]]),
+    P.GenerateResponse(
+        version=1,
+        prompt_token_ids=[[1]],
+        outputs=[[P.GeneratedText(text="a", token_ids=[1], finish_reason="length")]],
+    ),
     P.ScoreRequest(prompt_token_ids=[1], completion_token_ids=[2, 3], version=0),
     P.ScoreResponse(version=0, logprobs=[-1.0, -2.0]),
     P.SleepState(sleeping=True),

@@ -88,8 +88,17 @@ def test_verify_edge_cases():
         "x" * 1_000_000,
         "-" * 100_000 + "1",
     ],
-    ids=["100k_digits", "hashes_100k_digits", "commas", "open_boxes", "nested_boxes", "many_hashes",
-         "unicode_digits", "million_letters", "dashes"],
+    ids=[
+        "100k_digits",
+        "hashes_100k_digits",
+        "commas",
+        "open_boxes",
+        "nested_boxes",
+        "many_hashes",
+        "unicode_digits",
+        "million_letters",
+        "dashes",
+    ],
 )
 def test_pathological_inputs_are_fast_and_total(text):
     t0 = time.perf_counter()
