@@ -127,14 +127,38 @@ def resume(engine, out: Path, rank: int) -> State:
     return state
 
 
-def sync_server(client: RolloutClient, engine, state: State, out: Path, log) -> None:
-    """Make the server serve exactly the learner's policy version before training starts."""
-    for lease_id in state.pending_leases:  # trained on and checkpointed, but the ack was lost
+def write_inflight(out: Path, lease_ids: list[str]) -> None:
+    """Leases pulled and not yet acked, on disk the moment they exist: a learner killed mid-step
+    leaves them here, and its successor gives their groups back (see sync_server)."""
+    tmp = out / "inflight_leases.json.tmp"
+    tmp.write_text(json.dumps(lease_ids))
+    tmp.replace(out / "inflight_leases.json")
+
+
+def _settle_leases(client: RolloutClient, state: State, out: Path, log) -> None:
+    """Ack what the checkpoint trained on; release what a killed predecessor pulled but never trained,
+    so those groups are trained next (not whenever their lease would have expired)."""
+    inflight_file = out / "inflight_leases.json"
+    inflight = json.loads(inflight_file.read_text()) if inflight_file.is_file() else []
+    for lease_id in dict.fromkeys([*state.pending_leases, *inflight]):
+        trained = lease_id in state.pending_leases
         try:
-            client.ack(lease_id)
+            if trained:
+                client.ack(lease_id)
+            else:
+                n = client.release(lease_id).released
+                log(f"released {n} group(s) pulled before the restart but never trained")
         except ServerError as e:
-            log(f"WARNING: could not ack lease {lease_id} from before the restart: {e}")
+            if e.status != 404:  # 404: already acked (after its checkpoint) or long expired
+                log(f"WARNING: could not settle lease {lease_id} from before the restart: {e}")
     state.pending_leases = []
+    write_inflight(out, [])
+
+
+def sync_server(client: RolloutClient, engine, state: State, out: Path, log) -> None:
+    """Settle leases left by a previous run, wake the server if it was left asleep, and make it serve
+    exactly the learner's policy version before training starts."""
+    _settle_leases(client, state, out, log)
     health = client.health()
     if health.sleeping:  # a previous learner may have died between sleep and wake
         client.wake()

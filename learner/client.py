@@ -90,6 +90,9 @@ class RolloutClient:
     def ack(self, lease_id: str) -> P.AckResponse:
         return self._post("/v1/groups/ack", P.AckRequest(lease_id=lease_id), P.AckResponse)
 
+    def release(self, lease_id: str) -> P.ReleaseResponse:
+        return self._post("/v1/groups/release", P.ReleaseRequest(lease_id=lease_id), P.ReleaseResponse)
+
     def publish(self, version: int, folder: str | Path) -> P.AdapterPublished:
         """Upload adapter_config.json + adapter_model.safetensors: no shared filesystem needed."""
         folder = Path(folder)

@@ -44,40 +44,41 @@ class Pulled:
     seconds: float = 0.0
 
 
-def collect_groups(client: RolloutClient, cfg: TandemConfig, version: int) -> Pulled:
+def collect_groups(client: RolloutClient, cfg: TandemConfig, version: int, out: Path) -> Pulled:
     """B usable groups. Stale ones are dropped; with dynamic sampling degenerate ones too, pulling more
     for up to max_pull_rounds, after which degenerate groups fill what is missing (they still carry
     the KL term). Everything pulled is acked with the step, dropped groups included (and counted)."""
     need, lr = cfg.learner.prompts_per_step, cfg.learner
-    out, spare, rounds, t0 = Pulled([], []), [], 0, time.perf_counter()
-    while len(out.groups) < need:
+    pulled, spare, rounds, t0 = Pulled([], []), [], 0, time.perf_counter()
+    while len(pulled.groups) < need:
         filtering = lr.dynamic_sampling and rounds < lr.max_pull_rounds
         if not filtering and spare:  # the bound is hit: degenerate groups fill the gap
-            take = need - len(out.groups)
-            out.groups, spare = out.groups + spare[:take], spare[take:]
+            take = need - len(pulled.groups)
+            pulled.groups, spare = pulled.groups + spare[:take], spare[take:]
             continue
-        resp = client.pull(need - len(out.groups), wait_s=lr.pull_wait_s)
+        resp = client.pull(need - len(pulled.groups), wait_s=lr.pull_wait_s)
         rounds += 1
         kept = 0
         for g in resp.groups:
             if is_stale(g, version, lr.max_staleness):
-                out.stale += 1
+                pulled.stale += 1
                 continue
-            out.seen += 1
+            pulled.seen += 1
             kept += 1
             if is_degenerate(g):
-                out.degenerate += 1
+                pulled.degenerate += 1
                 if filtering:
                     spare.append(g)
                     continue
-            out.groups.append(g)
+            pulled.groups.append(g)
         if resp.lease_id and kept:
-            out.lease_ids.append(resp.lease_id)
+            pulled.lease_ids.append(resp.lease_id)
+            ckpt.write_inflight(out, pulled.lease_ids)
         elif resp.lease_id:  # only stale groups: done with them now, before the lease can run out
             ack(client, resp.lease_id)
-    out.dropped_degenerate = len(spare)
-    out.seconds = time.perf_counter() - t0
-    return out
+    pulled.dropped_degenerate = len(spare)
+    pulled.seconds = time.perf_counter() - t0
+    return pulled
 
 
 def _completion_logprobs(logits, b, temperature: float, chunk_size: int):
@@ -241,7 +242,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
             groups = ckpt.replay_groups(replay, state.step + 1)
             pulled = Pulled(groups, [], seen=len(groups), degenerate=sum(map(is_degenerate, groups)))
         else:
-            pulled = broadcast_object(collect_groups(client, cfg, state.version) if lead else None)
+            pulled = broadcast_object(collect_groups(client, cfg, state.version, out) if lead else None)
         if client is not None and cfg.learner.placement == "timeslice":
             client.sleep()  # the server stops producing and frees its memory while we train
 
@@ -263,6 +264,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
         if client is not None:
             for lease_id in pulled.lease_ids:
                 ack(client, lease_id)
+            ckpt.write_inflight(out, [])
             client.publish(state.version, adapter)
             if cfg.learner.placement == "timeslice":
                 client.wake()

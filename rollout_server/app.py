@@ -142,6 +142,12 @@ def create_app(
         s.events.write("ack", lease_id=req.lease_id, acked=acked)
         return P.AckResponse(acked=acked)
 
+    @app.post("/v1/groups/release", response_model=P.ReleaseResponse, dependencies=[Depends(auth)])
+    async def release(req: P.ReleaseRequest, s: Server = Depends(srv)):
+        released = await s.queue.release(req.lease_id)
+        s.events.write("release", lease_id=req.lease_id, released=released)
+        return P.ReleaseResponse(released=released)
+
     async def _read(upload: UploadFile, limit: int) -> bytes:
         data = await upload.read(limit + 1)
         if len(data) > limit:

@@ -103,6 +103,19 @@ class LeaseQueue:
             self._changed.notify_all()  # space for the producer
             return n
 
+    async def release(self, lease_id: str) -> int:
+        """Return a lease's groups to the front of the queue now (a learner restarting without them)."""
+        async with self._changed:
+            self.expire()
+            lease = self._leases.pop(lease_id, None)
+            if lease is None:
+                if lease_id in self._expired:  # already back in the queue by expiry
+                    return 0
+                raise LeaseError(f"unknown lease '{lease_id}'", 404)
+            self._ready.extendleft(reversed(lease.groups))
+            self._changed.notify_all()
+            return len(lease.groups)
+
     def _ack_expired(self, lease_id: str) -> int:
         ids = self._expired.get(lease_id)
         if ids is None:

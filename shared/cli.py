@@ -18,7 +18,10 @@ OVERRIDES_HELP = (
 
 
 def parse_cli(
-    prog: str, description: str, argv: list[str] | None, add_arguments: Callable[[argparse.ArgumentParser], None]
+    prog: str,
+    description: str,
+    argv: list[str] | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
 ) -> tuple[argparse.Namespace, TandemConfig]:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog=prog, description=description, epilog=OVERRIDES_HELP)

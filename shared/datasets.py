@@ -113,9 +113,7 @@ def make_arith(split: str, size: int, difficulty: int, seed: int = 0) -> list[Pr
         rng, n = random.Random(f"arith-test-{difficulty}-{seed}"), max(50, size // 10)
     else:
         raise DatasetError(f"arith: unknown split '{split}' (use 'train' or 'test')")
-    seen_train = (
-        {_arith_problem(train_rng, difficulty)[0] for _ in range(size)} if split == "test" else set()
-    )
+    seen_train = {_arith_problem(train_rng, difficulty)[0] for _ in range(size)} if split == "test" else set()
     problems: list[Problem] = []
     while len(problems) < n:
         q, a = _arith_problem(rng, difficulty)

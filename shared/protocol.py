@@ -83,6 +83,16 @@ class AckResponse(_Model):
     acked: int = Field(ge=0)
 
 
+class ReleaseRequest(_Model):
+    """Give a lease back untrained: its groups return to the front of the queue now, not at expiry."""
+
+    lease_id: str = Field(min_length=1)
+
+
+class ReleaseResponse(_Model):
+    released: int = Field(ge=0)
+
+
 class Health(_Model):
     status: Literal["ok"] = "ok"
     protocol_version: str = PROTOCOL_VERSION

@@ -66,6 +66,8 @@ def learner(
 
 
 def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():  # the server writes its event log from its first event on
+        return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -161,7 +163,16 @@ def fresh_server(tmp_path, model_dir):
     proc.stop()
 
 
-def test_resume_after_sigkill_trains_every_leased_group_exactly_once(fresh_server, tmp_path):
+@pytest.fixture
+def spawned():
+    """Learners a test starts, stopped at teardown whether the test passed or not."""
+    procs: list[Proc] = []
+    yield procs
+    for p in procs:
+        p.stop()
+
+
+def test_resume_after_sigkill_trains_every_leased_group_exactly_once(fresh_server, spawned, tmp_path):
     _, client, tmp = fresh_server
     out = tmp_path / "run"
     events_file = tmp / "server" / "events.jsonl"
@@ -169,6 +180,7 @@ def test_resume_after_sigkill_trains_every_leased_group_exactly_once(fresh_serve
     first = learner(
         client.url, out, ["--learner.steps=4", "--learner.checkpoint_every=1"], tmp_path / "1.log"
     )
+    spawned.append(first)
     # Kill during step 3's training phase: after the step-2 checkpoint and step 3's sleep, when step 3's
     # groups are leased and not acked.
     deadline = time.time() + 600
@@ -194,8 +206,10 @@ def test_resume_after_sigkill_trains_every_leased_group_exactly_once(fresh_serve
     second = learner(
         client.url, out, ["--learner.steps=4", "--learner.checkpoint_every=1", "--resume"], tmp_path / "2.log"
     )
+    spawned.append(second)
     assert second.wait(timeout=900) == 0, second.log()[-5000:]
     assert "at step 2, policy v2" in second.log()
+    assert "released 2 group(s) pulled before the restart but never trained" in second.log()
     records = _jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     trained = _jsonl(out / "groups.jsonl")

@@ -94,3 +94,23 @@ def test_pull_waits_then_returns_empty():
         assert await q.pull(1, wait_s=0.2) == (None, [])
 
     run(body())
+
+
+def test_release_returns_groups_to_the_front_at_once():
+    async def body():
+        clock = Clock()
+        q = LeaseQueue(capacity=10, lease_s=60.0, clock=clock)
+        await q.put([_group(i) for i in range(3)])
+        lease, _ = await q.pull(2, wait_s=0)
+        assert await q.release(lease) == 2  # no waiting for the 60 s expiry
+        assert [g.group_id for g in q._ready] == ["g0", "g1", "g2"]
+        with pytest.raises(LeaseError) as e:
+            await q.ack(lease)  # released leases cannot be acked any more
+        assert e.value.status == 404
+        lease2, _ = await q.pull(1, wait_s=0)
+        clock.t = 61.0
+        assert await q.release(lease2) == 0  # already back by expiry: nothing to do, no error
+        with pytest.raises(LeaseError):
+            await q.release("never-issued")
+
+    run(body())

@@ -237,6 +237,7 @@ def test_sleep_stops_production_and_wake_resumes_it(server):
 ENDPOINTS = [
     ("/v1/groups/pull", {"max_groups": 1}),
     ("/v1/groups/ack", {"lease_id": "nope"}),
+    ("/v1/groups/release", {"lease_id": "nope"}),
     ("/v1/adapters/path", {"version": 9, "path": "x"}),
     ("/v1/sleep", None),
     ("/v1/wake", None),

@@ -31,6 +31,8 @@ EXAMPLES = [
     P.PullResponse(lease_id=None, lease_s=0.0, groups=[]),
     P.AckRequest(lease_id="abc"),
     P.AckResponse(acked=2),
+    P.ReleaseRequest(lease_id="abc"),
+    P.ReleaseResponse(released=2),
     P.Health(
         backend="vllm", model="m", policy_version=0, sleeping=False, group_size=4, queue_depth=0, leased=0
     ),
@@ -56,7 +58,7 @@ def test_every_model_round_trips_through_json(obj):
 
 
 def test_health_carries_protocol_version():
-    assert EXAMPLES[7].protocol_version == P.PROTOCOL_VERSION
+    assert EXAMPLES[9].protocol_version == P.PROTOCOL_VERSION
 
 
 @pytest.mark.parametrize(
