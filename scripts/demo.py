@@ -1,0 +1,180 @@
+"""The CPU demo: GRPO-train SmolLM2-135M-Instruct on the generated arithmetic task and watch it learn.
+
+    make demo                       # or: .venv/bin/python scripts/demo.py [--steps 30] [--eval-problems 100]
+
+Starts the rollout server (vLLM on CPU) and the learner (DeepSpeed ZeRO-2) from deploy/configs/cpu.toml,
+measures held-out accuracy before and after training through the server, and ends with a summary and a
+PNG of the reward and accuracy curves. Everything lands in runs/demo-<time>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from learner.client import RolloutClient  # noqa: E402
+from learner.evaluate import evaluate  # noqa: E402
+from shared.config import load_config  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list[str], log: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=env,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def follow(proc: subprocess.Popen, log: Path, prefix: str = "step ") -> None:
+    """Echo the learner's progress lines while it runs."""
+    seen = 0
+    while True:
+        lines = log.read_text(errors="replace").splitlines()
+        for line in lines[seen:]:
+            if line.startswith(prefix) or line.startswith("[learner]") or line.startswith("error"):
+                print("  " + line, flush=True)
+        seen = len(lines)
+        if proc.poll() is not None:
+            return
+        time.sleep(1.0)
+
+
+def plot(metrics: list[dict], before: float, after: float, steps: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [m["step"] for m in metrics]
+    reward = [m["reward/mean"] for m in metrics]
+    window = 5
+    smooth = [
+        sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
+        for i in range(len(reward))
+    ]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(x, reward, "o", alpha=0.35, label="per step (training batch)")
+    ax1.plot(x, smooth, "-", lw=2, label=f"{window}-step mean")
+    ax1.set(
+        xlabel="optimizer step", ylabel="mean reward (fraction correct)", title="Training reward", ylim=(0, 1)
+    )
+    ax1.legend(loc="lower right")
+    ax2.bar(["before (v0)", f"after (v{steps})"], [100 * before, 100 * after], color=["#999999", "#2a7ab9"])
+    for i, v in enumerate([before, after]):
+        ax2.text(i, 100 * v + 1, f"{100 * v:.1f}%", ha="center")
+    ax2.set(ylabel="held-out accuracy, greedy pass@1 (%)", title="Held-out accuracy", ylim=(0, 100))
+    fig.suptitle("tandem: GRPO on SmolLM2-135M-Instruct (CPU, arithmetic word problems)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="deploy/configs/cpu.toml")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's)")
+    p.add_argument("--eval-problems", type=int, default=100, help="held-out problems to score before/after")
+    p.add_argument("--out", default=None, help="run folder (default: runs/demo-<time>)")
+    args = p.parse_args()
+
+    t_start = time.time()
+    out = Path(args.out or REPO / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    overrides = [
+        f"--server.port={port}",
+        f"--server.state_dir={out / 'server'}",
+        f"--learner.server_url=http://127.0.0.1:{port}",
+        f"--learner.out_dir={out / 'learner'}",
+    ]
+    if args.steps:
+        overrides.append(f"--learner.steps={args.steps}")
+    cfg = load_config(REPO / args.config, [o[2:] for o in overrides])
+    token = secrets.token_hex(16)
+    env = dict(os.environ, TANDEM_API_TOKEN=token, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("OMP_NUM_THREADS", "2")  # time-sliced: the two processes take turns
+
+    print(f"tandem demo -> {out}\n")
+    print(f"1/4 starting the rollout server ({cfg.server.backend} backend on CPU) ...", flush=True)
+    server = start(["-m", "rollout_server", "--config", args.config, *overrides], out / "server.log", env)
+    learner = None
+    try:
+        client = RolloutClient(cfg.learner.server_url, token=token)
+        client.wait_ready(600, log=lambda *a: None)
+        print(
+            f"2/4 held-out accuracy of the base model ({args.eval_problems} problems, greedy) ...", flush=True
+        )
+        before = evaluate(client, cfg, 0, args.eval_problems)
+        print(f"    before: {100 * before['pass@1_greedy']:.1f}%\n", flush=True)
+
+        print(
+            f"3/4 GRPO training, {cfg.learner.steps} steps (G={cfg.sampling.group_size}, "
+            f"{cfg.learner.prompts_per_step} prompts/step) ...",
+            flush=True,
+        )
+        learner = start(["-m", "learner", "--config", args.config, *overrides], out / "learner.log", env)
+        follow(learner, out / "learner.log")
+        if learner.returncode != 0:
+            print(f"the learner failed (exit {learner.returncode}); see {out / 'learner.log'}")
+            return 1
+
+        print("\n4/4 held-out accuracy after training ...", flush=True)
+        after = evaluate(client, cfg, None, args.eval_problems)
+    finally:
+        if learner is not None:
+            stop(learner)
+        stop(server)
+
+    metrics = [json.loads(line) for line in (out / "learner" / "metrics.jsonl").read_text().splitlines()]
+    plot(metrics, before["pass@1_greedy"], after["pass@1_greedy"], after["version"], out / "curves.png")
+    summary = {
+        "held_out_accuracy_before": before["pass@1_greedy"],
+        "held_out_accuracy_after": after["pass@1_greedy"],
+        "eval_problems": before["problems"],
+        "steps": len(metrics),
+        "final_version": after["version"],
+        "wall_clock_s": round(time.time() - t_start, 1),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    delta = 100 * (after["pass@1_greedy"] - before["pass@1_greedy"])
+    print(
+        f"\n=== summary ===\n"
+        f"held-out accuracy: {100 * before['pass@1_greedy']:.1f}% -> {100 * after['pass@1_greedy']:.1f}% "
+        f"({delta:+.1f} points, {before['problems']} problems, greedy pass@1)\n"
+        f"steps: {len(metrics)}   wall clock: {summary['wall_clock_s'] / 60:.1f} min\n"
+        f"curves: {out / 'curves.png'}\nmetrics: {out / 'learner' / 'metrics.jsonl'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
