@@ -7,6 +7,7 @@ The reference policy is the same module with the adapter disabled (no second cop
 from __future__ import annotations
 
 import os
+import socket
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -66,8 +67,10 @@ def init_distributed() -> tuple[int, int, bool]:
         ("MASTER_ADDR", "127.0.0.1"),
     ]:
         os.environ.setdefault(key, default)
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = "29511"
+    if "MASTER_PORT" not in os.environ:  # no launcher: a lone process, and any free port will do
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

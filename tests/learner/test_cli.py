@@ -71,3 +71,21 @@ def test_help_imports_no_heavy_stack():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert "--resume" in out.stdout and "--section.key=value" in out.stdout
     assert "HEAVY []" in out.stdout, out.stdout[-500:]
+
+
+def test_two_single_process_learners_can_run_side_by_side(tmp_path):
+    # Each initialises torch.distributed before waiting for its server; without a launcher they must
+    # not share a fixed MASTER_PORT (the second used to die with EADDRINUSE).
+    url = f"http://127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "learner", "--config", "deploy/configs/cpu.toml",
+             f"--learner.server_url={url}", "--learner.connect_timeout_s=8", f"--learner.out_dir={tmp_path}/r{i}"],
+            cwd=REPO, env=proc_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]  # fmt: skip
+    for p in procs:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 3, err[-2000:]
+        assert "did not become healthy" in err
