@@ -77,7 +77,12 @@ def test_two_single_process_learners_can_run_side_by_side(tmp_path):
     # Each initialises torch.distributed before waiting for its server; without a launcher they must
     # not share a fixed MASTER_PORT (the second used to die with EADDRINUSE).
     url = f"http://127.0.0.1:{free_port()}"
-    args = ["--config", "deploy/configs/cpu.toml", f"--learner.server_url={url}", "--learner.connect_timeout_s=8"]
+    args = [
+        "--config",
+        "deploy/configs/cpu.toml",
+        f"--learner.server_url={url}",
+        "--learner.connect_timeout_s=8",
+    ]
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "learner", *args, f"--learner.out_dir={tmp_path}/r{i}"],
