@@ -16,7 +16,8 @@ import sys
 import time
 
 from learner.client import RolloutClient
-from shared.config import ConfigError, TandemConfig, load_config, split_overrides
+from shared.cli import parse_cli
+from shared.config import TandemConfig
 from shared.datasets import DatasetError, load_problems
 from shared.protocol import GenerateRequest
 from shared.reward import verify
@@ -68,23 +69,22 @@ def evaluate(
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m learner.evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", metavar="TOML")
+def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--version", type=int, default=None, help="adapter version (default: the one served)")
     p.add_argument("--limit", type=int, default=100, help="first N test problems")
     p.add_argument("--k", type=int, default=1, help="also sampled pass@k with k samples per problem")
     p.add_argument("--out", help="write the result as JSON here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cfg = parse_cli("python -m learner.evaluate", __doc__.split("\n\n")[0], argv, _args)
     try:
-        rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
-        args = p.parse_args(rest)
-        cfg = load_config(args.config, overrides)
         client = RolloutClient(
             cfg.learner.server_url, token=os.environ.get(cfg.learner.api_token_env) or None
         )
         client.wait_ready(60)
         result = evaluate(client, cfg, args.version, args.limit, args.k)
-    except (ConfigError, DatasetError) as e:
+    except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2))
