@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_batch_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         if int(os.environ.get("RANK", "0")) == 0:
-            check_out_dir(Path(cfg.learner.out_dir), args.resume)
+            check_out_dir(Path(cfg.learner.out_dir), args.resume, cfg.learner.min_free_mb)
         model_path = resolve_model(cfg.model.name)
         from learner.train import run  # torch, transformers, deepspeed: only once the config is good
 

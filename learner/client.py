@@ -25,11 +25,63 @@ class ServerUnavailable(ServerError):
     pass
 
 
+class Interrupted(RuntimeError):
+    """A stop was requested (SIGTERM) while waiting for an unreachable server."""
+
+
+# Answers that mean "not there right now" rather than "no": a proxy in front of a restarting server.
+_TRANSIENT_STATUS = (502, 504)
+
+
 class RolloutClient:
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 120.0):
+    """`retry_s` > 0: a request the server cannot take (connection refused or reset, timeout, 502/504)
+    is retried with exponential backoff for up to `retry_s` seconds, each failure logged, before
+    ServerUnavailable is raised; `should_stop` (polled between tries) ends the wait early with
+    Interrupted. 4xx answers are never retried. `retry_s` = 0 (the default) fails at once."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 120.0,
+        retry_s: float = 0.0,
+        log=print,
+        should_stop=lambda: False,
+    ):
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self.retry_s, self._log, self._should_stop = retry_s, log, should_stop
+        self.retries = 0  # failed tries that were retried, over the client's life
+
+    def _send(self, what: str, make_request) -> httpx.Response:
+        """Send with the retry policy above; return the final response (any status)."""
+        deadline, delay, down_since = time.monotonic() + self.retry_s, 1.0, None
+        while True:
+            try:
+                r = make_request()
+                if r.status_code not in _TRANSIENT_STATUS:
+                    if down_since is not None:
+                        self._log(f"rollout server back after {time.monotonic() - down_since:.0f} s")
+                    return r
+                error = f"HTTP {r.status_code}"
+            except httpx.TransportError as e:
+                error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+            if self.retry_s <= 0:
+                raise ServerUnavailable(f"{what} at {self.url}: {error}")
+            now = time.monotonic()
+            down_since = down_since if down_since is not None else now
+            if now + delay > deadline:
+                raise ServerUnavailable(
+                    f"{what} at {self.url}: no answer for {now - down_since:.0f} s ({error}); gave up "
+                    f"after learner.server_retry_s={self.retry_s:.0f}. Is the rollout server running?"
+                )
+            if self._should_stop():
+                raise Interrupted(f"stop requested while the rollout server was unreachable ({what})")
+            self.retries += 1
+            self._log(f"WARNING: {what} at {self.url} failed ({error}); retrying in {delay:.0f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 30.0)
 
     def close(self) -> None:
         self._http.close()
@@ -46,19 +98,26 @@ class RolloutClient:
     def _post(self, path: str, body: BaseModel | None, out: type[M], timeout: float | None = None) -> M:
         kwargs = {"timeout": timeout} if timeout is not None else {}
         content = body.model_dump_json() if body is not None else None
-        r = self._http.post(path, content=content, headers={"content-type": "application/json"}, **kwargs)
+        r = self._send(
+            f"POST {path}",
+            lambda: self._http.post(
+                path, content=content, headers={"content-type": "application/json"}, **kwargs
+            ),
+        )
         return out.model_validate_json(self._check(r, f"POST {path}").content)
 
     def health(self) -> P.Health:
-        return P.Health.model_validate_json(self._check(self._http.get("/health"), "GET /health").content)
+        r = self._send("GET /health", lambda: self._http.get("/health"))
+        return P.Health.model_validate_json(self._check(r, "GET /health").content)
 
     def wait_ready(self, timeout_s: float, log=print) -> P.Health:
         """Poll /health with backoff until it answers, for at most timeout_s; check the protocol version."""
         deadline, delay, last = time.monotonic() + timeout_s, 0.5, "no answer"
         announced = False
         while True:
-            try:
-                health = self.health()
+            try:  # one try per round: this loop is the backoff
+                r = self._http.get("/health")
+                health = P.Health.model_validate_json(self._check(r, "GET /health").content)
                 break
             except (httpx.TransportError, ServerError) as e:
                 last = str(e) or type(e).__name__
@@ -96,18 +155,26 @@ class RolloutClient:
     def publish(self, version: int, folder: str | Path) -> P.AdapterPublished:
         """Upload adapter_config.json + adapter_model.safetensors: no shared filesystem needed."""
         folder = Path(folder)
-        with (
-            (folder / "adapter_config.json").open("rb") as cfg,
-            (folder / "adapter_model.safetensors").open("rb") as w,
-        ):
-            r = self._http.post(
+        config = (folder / "adapter_config.json").read_bytes()
+        weights = (folder / "adapter_model.safetensors").read_bytes()
+        tries = 0
+
+        def post() -> httpx.Response:
+            nonlocal tries
+            tries += 1
+            return self._http.post(
                 "/v1/adapters",
                 data={"version": str(version)},
                 files={
-                    "adapter_config": ("adapter_config.json", cfg),
-                    "adapter_model": ("adapter_model.safetensors", w),
+                    "adapter_config": ("adapter_config.json", config),
+                    "adapter_model": ("adapter_model.safetensors", weights),
                 },
             )
+
+        r = self._send("POST /v1/adapters", post)
+        if r.status_code == 409 and tries > 1 and self.health().policy_version == version:
+            # A retried upload whose first try went through before the connection dropped.
+            return P.AdapterPublished(version=version, name=f"policy-v{version}")
         return P.AdapterPublished.model_validate_json(self._check(r, "POST /v1/adapters").content)
 
     def sleep(self) -> P.SleepState:

@@ -7,6 +7,7 @@ Rank 0 talks to the server and broadcasts the groups; every rank trains on its s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import torch
 
 from learner import checkpoint as ckpt
 from learner.batch import collate, is_degenerate, is_stale, sequences, shard
-from learner.client import RolloutClient, ServerError
+from learner.client import Interrupted, RolloutClient, ServerError
 from learner.engine import (
     broadcast_object,
     build_engine,
@@ -180,6 +181,15 @@ def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
     }
 
 
+def _collect(client: RolloutClient, cfg: TandemConfig, version: int, out: Path, log) -> Pulled | None:
+    """collect_groups, or None when a stop is requested while the server cannot be reached."""
+    try:
+        return collect_groups(client, cfg, version, out)
+    except Interrupted as e:
+        log(f"{e}: checkpoint and exit")
+        return None
+
+
 class _Stop:
     """SIGTERM/SIGINT: finish the step in progress, checkpoint, exit 0."""
 
@@ -211,7 +221,13 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     client = None
     if lead and not replay:
         token = os.environ.get(cfg.learner.api_token_env) or None
-        client = RolloutClient(cfg.learner.server_url, token=token)
+        client = RolloutClient(
+            cfg.learner.server_url,
+            token=token,
+            retry_s=cfg.learner.server_retry_s,
+            log=log,
+            should_stop=lambda: stop.requested,
+        )
         health = client.wait_ready(cfg.learner.connect_timeout_s, log=log)
         log(f"server ok: {health.backend} backend, {health.model}, serving v{health.policy_version}")
         if health.group_size != cfg.sampling.group_size:
@@ -236,15 +252,25 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
         f"steps {state.step + 1}..{cfg.learner.steps}, {world} process(es), {cfg.learner.placement} placement"
     )
 
+    interrupted = False  # rank 0: a stop request came while the server was unreachable
     while state.step < cfg.learner.steps:
         t_step = time.perf_counter()
+        if broadcast_object(interrupted):
+            ckpt.save(engine, out, state, rank)  # keeps the leases not yet acked, for --resume
+            break
         if replay:
             groups = ckpt.replay_groups(replay, state.step + 1)
             pulled = Pulled(groups, [], seen=len(groups), degenerate=sum(map(is_degenerate, groups)))
         else:
-            pulled = broadcast_object(collect_groups(client, cfg, state.version, out) if lead else None)
+            pulled = broadcast_object(_collect(client, cfg, state.version, out, log) if lead else None)
+            if pulled is None:  # stopped while waiting for the server: this step has not begun
+                ckpt.save(engine, out, state, rank)  # its leases are in inflight_leases.json
+                break
         if client is not None and cfg.learner.placement == "timeslice":
-            client.sleep()  # the server stops producing and frees its memory while we train
+            # The server stops producing and frees its memory while we train. Interrupted: it is down, so
+            # it is not producing either; train, then stop.
+            with contextlib.suppress(Interrupted):
+                client.sleep()
 
         t_train = time.perf_counter()
         metrics = train_step(engine, pulled.groups, cfg, rank, world, pad_id)
@@ -262,14 +288,20 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
             ckpt.record_groups(out, state.step, pulled.groups)
         health = None
         if client is not None:
-            for lease_id in pulled.lease_ids:
-                ack(client, lease_id)
-            ckpt.write_inflight(out, [])
-            client.publish(state.version, adapter)
-            if cfg.learner.placement == "timeslice":
-                client.wake()
-            health = client.health()
-        state.pending_leases = []
+            try:
+                for lease_id in pulled.lease_ids:
+                    ack(client, lease_id)
+                ckpt.write_inflight(out, [])
+                client.publish(state.version, adapter)
+                if cfg.learner.placement == "timeslice":
+                    client.wake()
+                health = client.health()
+                state.pending_leases = []
+            except Interrupted:
+                log(f"stopping with step {state.step} not yet acked/published; --resume will do it")
+                interrupted = True
+        else:
+            state.pending_leases = []
 
         metrics |= batch_metrics(pulled, state.version - 1)
         metrics |= {

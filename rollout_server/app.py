@@ -131,7 +131,10 @@ def create_app(
 
     @app.post("/v1/groups/pull", response_model=P.PullResponse, dependencies=[Depends(auth)])
     async def pull(req: P.PullRequest, s: Server = Depends(srv)):
-        lease_id, groups = await s.queue.pull(req.max_groups, req.wait_s)
+        # Asleep with nothing queued, no group can come before a wake: answer now rather than hold the
+        # connection for wait_s.
+        wait_s = 0.0 if s.producer.sleeping and s.queue.depth == 0 else req.wait_s
+        lease_id, groups = await s.queue.pull(req.max_groups, wait_s)
         if lease_id:
             s.events.write("lease", lease_id=lease_id, group_ids=[g.group_id for g in groups])
         return P.PullResponse(lease_id=lease_id, lease_s=s.queue.lease_s if lease_id else 0.0, groups=groups)
@@ -208,6 +211,12 @@ def create_app(
     @app.post("/v1/generate", response_model=P.GenerateResponse, dependencies=[Depends(auth)])
     async def generate(req: P.GenerateRequest, s: Server = Depends(srv)):
         _check_awake(s)
+        if len(req.prompts) * req.n > cfg.server.max_generate_sequences:
+            raise HTTPException(
+                422,
+                f"{len(req.prompts)} prompts x n={req.n} exceed server.max_generate_sequences="
+                f"{cfg.server.max_generate_sequences}; split the request",
+            )
         adapter = s.policy.lookup(req.version)
         prompts = [chat_prompt_ids(s.backend.tokenizer, q) for q in req.prompts]
         room = cfg.model.max_model_len - max(len(p) for p in prompts)

@@ -85,6 +85,9 @@ class ServerConfig(_Section):
     adapter_root: str | None = Field(default=None, description="folder publish-by-path may read under")
     max_adapter_mb: float = Field(default=512.0, gt=0)
     max_lora_rank: int = Field(default=16, ge=1)
+    max_generate_sequences: int = Field(
+        default=1024, ge=1, description="cap on prompts x n of one /v1/generate request"
+    )
     max_loras: int = Field(default=2, ge=1, description=">= max_staleness + 1 in split mode")
     seed: int = 0
     vllm: VllmConfig = VllmConfig()
@@ -144,7 +147,16 @@ class LearnerConfig(_Section):
     gradient_checkpointing: bool = False
     out_dir: str = "runs/learner"
     checkpoint_every: int = Field(default=10, ge=1)
+    min_free_mb: float = Field(
+        default=200.0, ge=0, description="refuse to start when learner.out_dir has less free space"
+    )
     connect_timeout_s: float = Field(default=300.0, gt=0, description="wait this long for the server")
+    server_retry_s: float = Field(
+        default=900.0,
+        ge=0,
+        description="once connected, keep retrying an unreachable server (backoff up to 30 s) this long "
+        "before giving up; covers a server restart (its engine start included)",
+    )
     replay_file: str | None = Field(
         default=None,
         description="train on the groups recorded in a previous run's groups.jsonl instead of a server "

@@ -48,6 +48,12 @@ def test_compose_files_are_valid_and_wired(variant):
         assert any(v.startswith("runs:/runs") for v in svc["volumes"])
         assert any(":/configs" in v for v in svc["volumes"])
     assert "runs" in c["volumes"]
+    # Faults: both come back by themselves, and a stopping learner has time to finish its step and
+    # checkpoint before Compose's SIGKILL (its default grace is 10 s).
+    assert server["restart"] == "unless-stopped" and learner["restart"] == "on-failure"
+    assert "--resume" in learner["command"]
+    minutes = re.fullmatch(r"(\d+)m", learner["stop_grace_period"])
+    assert minutes and int(minutes.group(1)) >= 5
     assert server["ports"] == ["127.0.0.1:8000:8000"]  # published on loopback only
 
 

@@ -48,6 +48,15 @@ def test_unwritable_out_dir_fails_before_training(tmp_path):
     assert out.stderr.strip().startswith(f"error: learner.out_dir={blocker}/run is not writable")
 
 
+def test_full_disk_fails_before_training(tmp_path):
+    """A disk without room for checkpoints (here: asking for more free space than any disk has)."""
+    out = _learner(f"--learner.out_dir={tmp_path}/run", "--learner.min_free_mb=1e12")
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith(f"error: learner.out_dir={tmp_path}/run: only ")
+    assert "MB free, need >= 1000000000000 MB" in out.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_unreachable_server_gives_a_clear_message_after_a_bounded_wait(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     out = _learner(

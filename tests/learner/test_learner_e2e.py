@@ -196,6 +196,7 @@ def test_resume_after_sigkill_trains_every_leased_group_exactly_once(fresh_serve
     first.signal(signal.SIGKILL)
     first.wait(timeout=30)
     killed_at = time.time()
+    assert client.health().policy_version == 2  # the server keeps serving the last published version
     events = [e for e in _jsonl(events_file) if e["t"] >= started]
     acked = {e["lease_id"] for e in events if e["event"] == "ack"}
     unacked = [

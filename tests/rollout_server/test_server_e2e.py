@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import threading
 import time
 
@@ -226,6 +227,9 @@ def test_sleep_stops_production_and_wake_resumes_it(server):
     ]
     assert asleep == []
     assert client.pull(1, wait_s=0).groups == []
+    t0 = time.monotonic()
+    assert client.pull(1, wait_s=120).groups == []  # asleep and empty: answered now, not in 120 s
+    assert time.monotonic() - t0 < 10
     client.wake()
     woke_at = max(x["t"] for x in _events(tmp) if x["event"] == "wake")
     pulled = client.pull(1, wait_s=300)
@@ -277,6 +281,8 @@ def test_auth_and_malformed_requests_get_4xx_with_a_message(server):
     assert r.status_code == 422 and "vocabulary" in r.json()["detail"]
     r = httpx.post(f"{url}/v1/generate", json={"prompts": ["hi"], "version": 99}, headers=ok)
     assert r.status_code == 404 and "never published" in r.json()["detail"]
+    r = httpx.post(f"{url}/v1/generate", json={"prompts": ["hi"] * 33, "n": 32}, headers=ok)
+    assert r.status_code == 422 and "max_generate_sequences=1024" in r.json()["detail"]
     assert client.health().status == "ok"
 
 
@@ -290,3 +296,13 @@ def test_generate_for_evaluation_is_greedy_and_versioned(server):
     assert "5" in a.outputs[0][0].text
     metrics = httpx.get(f"{client.url}/metrics").text
     assert "tandem_groups_produced_total" in metrics and "tandem_policy_version 1.0" in metrics
+
+
+def test_sigterm_shuts_the_server_down_cleanly(server):
+    """Last in the module: the server stops with exit code 0 (the engine closed, no traceback)."""
+    _, proc, client, _ = server
+    client.pull(1, wait_s=0)  # production running: a batch is likely in flight
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(timeout=90) == 0, proc.log()[-4000:]
+    assert "Application shutdown complete" in proc.log()
+    assert "Traceback" not in proc.log()

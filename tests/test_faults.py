@@ -1,0 +1,181 @@
+"""Faults with real processes on loopback: the rollout server killed and restarted under a running
+learner, SIGTERM to either process, and the learner asked to stop while the server is gone.
+
+The server runs the HF backend here: it restarts in seconds, and what is under test is the processes'
+behaviour, not the engine (the vLLM server's own SIGTERM is tested in test_server_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import Proc, proc_env, server_args, start_server
+
+pytestmark = pytest.mark.slow
+
+SERVER = [
+    "--server.backend=hf",
+    "--sampling.group_size=4",
+    "--sampling.max_new_tokens=32",
+    "--server.prompts_per_batch=2",
+    "--server.queue_size=4",
+    "--server.lease_s=300",
+    "--data.arith_difficulty=2",
+]
+LEARNER = [
+    "--learner.prompts_per_step=2",
+    "--learner.micro_batch_size=4",
+    "--learner.grad_accum=2",
+    "--learner.dynamic_sampling=false",
+    "--learner.pull_wait_s=120",
+    "--learner.lr=2e-4",
+    "--learner.checkpoint_every=1",
+    "--learner.server_retry_s=600",
+]
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _learner(url: str, out: Path, extra: list[str], log: Path) -> Proc:
+    args = ["-m", "learner", "--config", "deploy/configs/cpu.toml", *SERVER, *LEARNER]
+    args += [f"--learner.server_url={url}", f"--learner.out_dir={out}", *extra]
+    return Proc(args, log, env=proc_env(OMP_NUM_THREADS="1"))
+
+
+def _wait_for(what: str, cond, procs: list[Proc], timeout: float = 600.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        for p in procs:
+            assert p.alive(), f"{what}: a process exited early:\n{p.log()[-4000:]}"
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting until {what}")
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+    yield started
+    for p in started:
+        p.stop()
+
+
+def _restart_server(tmp: Path, port: int, log_name: str) -> Proc:
+    """The same port and state_dir as the killed one: what a supervisor (compose, SLURM) would do."""
+    return Proc(server_args("deploy/configs/cpu.toml", port, tmp / "server", SERVER), tmp / log_name)
+
+
+def test_server_killed_mid_generation_then_restarted(tmp_path, procs, model_dir):
+    server, client = start_server(tmp_path, SERVER)
+    procs.append(server)
+    port = int(client.url.rsplit(":", 1)[1])
+    events_file, out = tmp_path / "server" / "events.jsonl", tmp_path / "run"
+    learner = _learner(client.url, out, ["--learner.steps=4"], tmp_path / "learner.log")
+    procs.append(learner)
+
+    # Kill right after the wake that follows step 2's publish: the server is generating step 3's groups.
+    _wait_for(
+        "the server wakes after publishing v2",
+        lambda: (
+            [e["event"] for e in _jsonl(events_file) if e["event"] in ("publish", "wake")][-2:]
+            == ["publish", "wake"]
+            and any(e["event"] == "publish" and e["version"] == 2 for e in _jsonl(events_file))
+        ),
+        [server, learner],
+    )
+    server.signal(signal.SIGKILL)
+    server.wait(timeout=30)
+    killed_at = time.time()
+    cursor_at_kill = json.loads((tmp_path / "server" / "cursor.json").read_text())
+
+    # The learner notices at once (its connection is reset), says so, and keeps retrying.
+    _wait_for("the learner reports the dead server", lambda: "retrying in" in learner.log(), [learner], 60)
+    assert time.time() - killed_at < 60
+    time.sleep(5)  # a few retries' worth of a server that is really gone
+    assert learner.alive()
+
+    restarted = _restart_server(tmp_path, port, "server2.log")
+    procs.append(restarted)
+    assert learner.wait(timeout=900) == 0, learner.log()[-5000:]
+    assert "rollout server back after" in learner.log()
+
+    # The restarted server restored v2 from its own adapter store and produced with it before any publish.
+    assert "serving policy v2" in restarted.log()
+    after = [e for e in _jsonl(events_file) if e["t"] > killed_at]
+    first_group = next(e for e in after if e["event"] == "group")
+    first_publish = next(e for e in after if e["event"] == "publish")
+    assert first_group["version"] == 2 and first_group["t"] < first_publish["t"]
+    assert first_publish["version"] == 3
+    # Its cursor continued from where the killed one had saved it, not from the start of the epoch.
+    cursor_now = json.loads((tmp_path / "server" / "cursor.json").read_text())
+    position = (cursor_now["epoch"], cursor_now["position"])
+    assert position > (cursor_at_kill["epoch"], cursor_at_kill["position"])
+
+    trained = _jsonl(out / "groups.jsonl")
+    assert [t["step"] for t in trained] == [1, 2, 3, 4]
+    ids = [g["group_id"] for t in trained for g in t["groups"]]
+    prompts = [g["prompt_id"] for t in trained for g in t["groups"]]
+    assert len(ids) == len(set(ids)) == 8, "a group was trained twice"
+    assert len(prompts) == len(set(prompts)), "a prompt came round again: the cursor was reset"
+    assert client.health().policy_version == 4
+
+
+def test_sigterm_stops_both_processes_cleanly(tmp_path, procs, model_dir):
+    server, client = start_server(tmp_path, SERVER)
+    procs.append(server)
+    out = tmp_path / "run"
+    learner = _learner(client.url, out, ["--learner.steps=50"], tmp_path / "learner.log")
+    procs.append(learner)
+    metrics = out / "metrics.jsonl"
+    _wait_for("the learner finishes step 1", lambda: len(_jsonl(metrics)) >= 1, [server, learner])
+
+    learner.signal(signal.SIGTERM)
+    assert learner.wait(timeout=300) == 0, learner.log()[-4000:]
+    step = len(_jsonl(metrics))
+    assert "(stopped by signal)" in learner.log()
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{step}"
+    assert client.health().policy_version == step  # the step it finished was published before it left
+
+    # The server is generating (the learner woke it after its last step) when it gets SIGTERM.
+    server.signal(signal.SIGTERM)
+    assert server.wait(timeout=60) == 0, server.log()[-4000:]
+    assert "Application shutdown complete" in server.log()
+
+
+def test_sigterm_while_the_server_is_gone_checkpoints_and_exits(tmp_path, procs, model_dir):
+    server, client = start_server(tmp_path, SERVER)
+    procs.append(server)
+    port = int(client.url.rsplit(":", 1)[1])
+    out = tmp_path / "run"
+    learner = _learner(client.url, out, ["--learner.steps=50"], tmp_path / "learner.log")
+    procs.append(learner)
+    _wait_for("the learner finishes step 1", lambda: len(_jsonl(out / "metrics.jsonl")) >= 1, [learner])
+    server.signal(signal.SIGKILL)
+    server.wait(timeout=30)
+    _wait_for("the learner reports the dead server", lambda: "retrying in" in learner.log(), [learner], 120)
+
+    learner.signal(signal.SIGTERM)
+    assert learner.wait(timeout=120) == 0, learner.log()[-4000:]
+    step = int((out / "checkpoints" / "latest").read_text().removeprefix("step-"))
+    assert step == len(_jsonl(out / "metrics.jsonl"))
+    assert "stop requested while the rollout server was unreachable" in learner.log()
+
+    # A restarted server and --resume pick the run up where it stopped.
+    restarted = _restart_server(tmp_path, port, "server2.log")
+    procs.append(restarted)
+    resumed = _learner(client.url, out, [f"--learner.steps={step + 1}", "--resume"], tmp_path / "2.log")
+    procs.append(resumed)
+    assert resumed.wait(timeout=600) == 0, resumed.log()[-4000:]
+    assert f"at step {step}, policy v{step}" in resumed.log()
+    assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == list(range(1, step + 2))
+    ids = [g["group_id"] for t in _jsonl(out / "groups.jsonl") for g in t["groups"]]
+    assert len(ids) == len(set(ids))
