@@ -47,7 +47,9 @@ class LeaseQueue:
         self.expired_total = 0  # groups returned by expiry
         self.acked_total = 0
 
-    # -- sizes (ready + leased is bounded by capacity: the producer waits for space) ---------------
+    # -- sizes: the groups waiting to be pulled are bounded by capacity (the producer waits for space).
+    # Leased groups do not count: a learner that drops degenerate groups (dynamic sampling) holds its
+    # lease while it pulls more, and counting the lease would starve it until pull_wait_s ran out.
     @property
     def depth(self) -> int:
         return len(self._ready)
@@ -58,7 +60,7 @@ class LeaseQueue:
 
     def space(self) -> int:
         self.expire()
-        return self.capacity - self.depth - self.leased
+        return self.capacity - self.depth
 
     # -- producer side -------------------------------------------------------------------------------
     async def put(self, groups: list[ScoredGroup]) -> None:

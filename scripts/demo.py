@@ -54,7 +54,27 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def follow(proc: subprocess.Popen, log: Path, prefix: str = "step ") -> None:
+class PeakRss:
+    """Peak resident memory of each process tree (a process and its children: vLLM's engine core,
+    DeepSpeed ranks), sampled while the demo runs."""
+
+    def __init__(self):
+        self.peak_mib: dict[str, float] = {}
+
+    def sample(self, name: str, proc: subprocess.Popen | None) -> None:
+        import psutil
+
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            root = psutil.Process(proc.pid)
+            rss = sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+        except psutil.Error:
+            return
+        self.peak_mib[name] = max(self.peak_mib.get(name, 0.0), rss / 2**20)
+
+
+def follow(proc: subprocess.Popen, log: Path, on_tick=lambda: None, prefix: str = "step ") -> None:
     """Echo the learner's progress lines while it runs."""
     seen = 0
     while True:
@@ -63,38 +83,55 @@ def follow(proc: subprocess.Popen, log: Path, prefix: str = "step ") -> None:
             if line.startswith(prefix) or line.startswith("[learner]") or line.startswith("error"):
                 print("  " + line, flush=True)
         seen = len(lines)
+        on_tick()
         if proc.poll() is not None:
             return
         time.sleep(1.0)
 
 
+def _smooth(values: list[float], window: int = 5) -> list[float]:
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+        for i in range(len(values))
+    ]
+
+
 def plot(metrics: list[dict], before: float, after: float, steps: int, path: Path) -> None:
+    """Training reward and held-out accuracy on top; the DESIGN.md §5 diagnostics below."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     x = [m["step"] for m in metrics]
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    ax = axes[0][0]
     reward = [m["reward/mean"] for m in metrics]
-    window = 5
-    smooth = [
-        sum(reward[max(0, i - window + 1) : i + 1]) / len(reward[max(0, i - window + 1) : i + 1])
-        for i in range(len(reward))
-    ]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(x, reward, "o", alpha=0.35, label="per step (training batch)")
-    ax1.plot(x, smooth, "-", lw=2, label=f"{window}-step mean")
-    ax1.set(
+    ax.plot(x, reward, "o", alpha=0.35, label="per step (training batch)")
+    ax.plot(x, _smooth(reward), "-", lw=2, label="5-step mean")
+    ax.set(
         xlabel="optimizer step", ylabel="mean reward (fraction correct)", title="Training reward", ylim=(0, 1)
     )
-    ax1.legend(loc="lower right")
-    ax2.bar(["before (v0)", f"after (v{steps})"], [100 * before, 100 * after], color=["#999999", "#2a7ab9"])
+    ax.legend(loc="lower right")
+    ax = axes[0][1]
+    ax.bar(["before (v0)", f"after (v{steps})"], [100 * before, 100 * after], color=["#999999", "#2a7ab9"])
     for i, v in enumerate([before, after]):
-        ax2.text(i, 100 * v + 1, f"{100 * v:.1f}%", ha="center")
-    ax2.set(ylabel="held-out accuracy, greedy pass@1 (%)", title="Held-out accuracy", ylim=(0, 100))
+        ax.text(i, 100 * v + 1, f"{100 * v:.1f}%", ha="center")
+    ax.set(ylabel="held-out accuracy, greedy pass@1 (%)", title="Held-out accuracy", ylim=(0, 100))
+    panels = [
+        (axes[0][2], "groups/degenerate", "fraction of groups", "Degenerate groups (all rewards equal)"),
+        (axes[1][0], "completion/length", "tokens", "Completion length"),
+        (axes[1][1], "kl/ref", "k3 estimate", "KL to the reference (base model)"),
+        (axes[1][2], "ratio/clipfrac", "fraction of tokens", "PPO clip fraction"),
+    ]
+    for ax, key, ylabel, title in panels:
+        y = [m.get(key, float("nan")) for m in metrics]
+        ax.plot(x, y, "o", alpha=0.35)
+        ax.plot(x, _smooth(y), "-", lw=2)
+        ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
     fig.suptitle("tandem: GRPO on SmolLM2-135M-Instruct (CPU, arithmetic word problems)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> int:
@@ -127,6 +164,7 @@ def main() -> int:
     print(f"1/4 starting the rollout server ({cfg.server.backend} backend on CPU) ...", flush=True)
     server = start(["-m", "rollout_server", "--config", args.config, *overrides], out / "server.log", env)
     learner = None
+    rss = PeakRss()
     try:
         client = RolloutClient(cfg.learner.server_url, token=token)
         client.wait_ready(600, log=lambda *a: None)
@@ -142,7 +180,11 @@ def main() -> int:
             flush=True,
         )
         learner = start(["-m", "learner", "--config", args.config, *overrides], out / "learner.log", env)
-        follow(learner, out / "learner.log")
+        follow(
+            learner,
+            out / "learner.log",
+            on_tick=lambda: (rss.sample("rollout_server", server), rss.sample("learner", learner)),
+        )
         if learner.returncode != 0:
             print(f"the learner failed (exit {learner.returncode}); see {out / 'learner.log'}")
             return 1
@@ -163,6 +205,7 @@ def main() -> int:
         "steps": len(metrics),
         "final_version": after["version"],
         "wall_clock_s": round(time.time() - t_start, 1),
+        "peak_rss_mib": {k: round(v) for k, v in rss.peak_mib.items()},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     delta = 100 * (after["pass@1_greedy"] - before["pass@1_greedy"])

@@ -1,0 +1,215 @@
+"""A full GRPO step, tandem against TRL's GRPOTrainer, on the same CPU workload, side by side in one run.
+
+    .venv/bin/pip install trl==1.16.0        # once; it fits the project's pins (not a dependency)
+    .venv/bin/python scripts/bench_trl.py [--steps 4] [--prompts 4] [--group-size 8] [--max-tokens 64]
+
+Same model (SmolLM2-135M-Instruct, fp32), same prompts (the arith task's train split, in the same order),
+same B, G, max new tokens, temperature, LoRA (r, alpha, targets), beta, learning rate and loss
+aggregation (TRL's loss_type="grpo" = tandem's seq_mean_token_mean); no dynamic sampling on either side.
+tandem runs as its two processes (server + DeepSpeed learner, time-sliced as in deploy/configs/cpu.toml);
+TRL as one process. Each side's first step is a warm-up; the figures are medians over the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from learner.client import RolloutClient  # noqa: E402
+from shared.config import load_config  # noqa: E402
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def overrides(args) -> list[str]:
+    n = args.prompts * args.group_size
+    return [
+        f"sampling.group_size={args.group_size}",
+        f"sampling.max_new_tokens={args.max_tokens}",
+        f"learner.prompts_per_step={args.prompts}",
+        f"learner.micro_batch_size={min(8, n)}",
+        f"learner.grad_accum={n // min(8, n)}",
+        f"learner.steps={args.steps}",
+        "learner.dynamic_sampling=false",
+        f"server.queue_size={args.prompts}",
+        f"server.prompts_per_batch={args.prompts}",
+    ]
+
+
+def run_tandem(args, work: Path) -> list[float]:
+    port = free_port()
+    extra = [
+        *overrides(args),
+        f"server.port={port}",
+        f"server.state_dir={work / 'server'}",
+        f"learner.server_url=http://127.0.0.1:{port}",
+        f"learner.out_dir={work / 'learner'}",
+    ]
+    token = secrets.token_hex(8)
+    env = dict(os.environ, TANDEM_API_TOKEN=token, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    cli = [f"--{o}" for o in extra]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "rollout_server", "--config", args.config, *cli],
+        cwd=REPO,
+        env=env,
+        stdout=(work / "server.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        RolloutClient(f"http://127.0.0.1:{port}", token=token).wait_ready(600, log=lambda *a: None)
+        print(f"[tandem] {args.steps} steps ...", flush=True)
+        learner = subprocess.run(
+            [sys.executable, "-m", "learner", "--config", args.config, *cli],
+            cwd=REPO,
+            env=env,
+            stdout=(work / "learner.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        if learner.returncode != 0:
+            raise SystemExit(f"tandem learner failed; see {work / 'learner.log'}")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    records = [json.loads(line) for line in (work / "learner" / "metrics.jsonl").read_text().splitlines()]
+    return [r["perf/step_s"] for r in records]
+
+
+def run_trl(args, work: Path) -> list[float]:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from shared.datasets import chat_messages, epoch_order, load_problems
+    from shared.models import resolve_model
+    from shared.reward import verify
+
+    cfg = load_config(args.config, overrides(args))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    problems = load_problems(cfg.data)
+    order = epoch_order(len(problems), cfg.data.seed, 0)[: args.prompts * args.steps]
+    rows = [{"prompt": chat_messages(problems[i].question), "answer": problems[i].answer} for i in order]
+
+    def reward(completions, answer, **_):
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+        return [verify(t, a) for t, a in zip(texts, answer, strict=True)]
+
+    n = args.prompts * args.group_size
+    micro = min(8, n)
+    trl_args = GRPOConfig(
+        output_dir=str(work / "trl"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=n // micro,
+        num_generations=args.group_size,
+        max_completion_length=args.max_tokens,
+        temperature=cfg.sampling.temperature,
+        top_p=1.0,
+        learning_rate=cfg.learner.lr,
+        beta=cfg.grpo.beta,
+        epsilon=cfg.grpo.epsilon_low,
+        loss_type="grpo",
+        scale_rewards="group",
+        max_steps=args.steps,
+        shuffle_dataset=False,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+    )
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model.name), dtype=torch.float32)
+    peft = LoraConfig(
+        r=cfg.lora.r,
+        lora_alpha=cfg.lora.alpha,
+        lora_dropout=cfg.lora.dropout,
+        target_modules=list(cfg.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+    class Timer(TrainerCallback):
+        def __init__(self):
+            self.t = time.perf_counter()
+            self.step_s: list[float] = []
+
+        def on_step_end(self, *a, **k):
+            now = time.perf_counter()
+            self.step_s.append(now - self.t)
+            self.t = now
+
+    timer = Timer()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=trl_args,
+        train_dataset=Dataset.from_list(rows),
+        peft_config=peft,
+        callbacks=[timer],
+    )
+    print(f"[trl] {args.steps} steps ...", flush=True)
+    timer.t = time.perf_counter()
+    trainer.train()
+    return timer.step_s
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="deploy/configs/cpu.toml")
+    p.add_argument("--steps", type=int, default=4, help="steps per side; the first is a warm-up")
+    p.add_argument("--prompts", type=int, default=4, help="B")
+    p.add_argument("--group-size", type=int, default=8, help="G")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args()
+    if args.steps < 2:
+        p.error("--steps must be >= 2 (the first step is a warm-up)")
+    try:
+        import trl
+    except ImportError:
+        p.error("TRL is not installed: .venv/bin/pip install trl==1.16.0")
+    work = Path(tempfile.mkdtemp(prefix="tandem-bench-trl-"))
+    tandem = run_tandem(args, work)
+    trl_steps = run_trl(args, work)
+    n = args.prompts * args.group_size
+    t, r = statistics.median(tandem[1:]), statistics.median(trl_steps[1:])
+    result = {
+        "workload": f"{args.prompts} prompts x G={args.group_size}, <= {args.max_tokens} new tokens",
+        "trl_version": trl.__version__,
+        "tandem_step_s": tandem,
+        "trl_step_s": trl_steps,
+        "tandem_median_step_s": t,
+        "trl_median_step_s": r,
+        "tandem_completions_per_s": n / t,
+        "trl_completions_per_s": n / r,
+        "step_time_ratio_tandem_over_trl": t / r,
+    }
+    print(
+        f"\nstep time (median of steps 2..{args.steps}): tandem {t:.1f} s, TRL {r:.1f} s; "
+        f"tandem/TRL = {t / r:.2f}\ncompletions/s: tandem {n / t:.2f}, TRL {n / r:.2f}"
+    )
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
