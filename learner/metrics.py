@@ -39,12 +39,14 @@ class MetricsSink:
             f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
         if self._tb is not None:
             for k, v in metrics.items():
-                self._tb.add_scalar(k, v, step)
+                if v is not None:
+                    self._tb.add_scalar(k, v, step)
             self._tb.flush()
         m = metrics
+        kl = "-" if m["kl/ref"] is None else f"{m['kl/ref']:.4f}"  # None: beta = 0, no reference pass
         print(
             f"step {step:>4}/{self.total} v{int(m['policy/version'])} | reward {m['reward/mean']:.3f} "
-            f"| degenerate {m['groups/degenerate']:.2f} | kl {m['kl/ref']:.4f} "
+            f"| degenerate {m['groups/degenerate']:.2f} | kl {kl} "
             f"| clip {m['ratio/clipfrac']:.3f} "
             f"| len {m['completion/length']:.0f} | |Δlogp| {m['sampler/logp_diff']:.3f} "
             f"| {m['perf/step_s']:.1f} s/step (pull {m['perf/pull_s']:.1f}, train {m['perf/train_s']:.1f})",

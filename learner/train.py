@@ -152,6 +152,7 @@ def train_step(
             merged[k] = merged.get(k, 0.0) + v
     tokens = max(merged.pop("tokens"), 1.0)
     metrics = {k: (v if k == "loss" else v / tokens) for k, v in merged.items()}
+    metrics.setdefault("kl/ref", None)  # beta = 0: the reference pass is skipped, so no KL to report
     live = advantages[~torch.tensor([is_degenerate(gr) for gr in groups])]
     metrics["advantage/mean"] = float(live.mean()) if live.numel() else 0.0
     metrics["advantage/std"] = float(live.std(correction=0)) if live.numel() else 0.0

@@ -58,7 +58,16 @@ class HFBackend:
         self.model.set_adapter(adapter.name)
         return nullcontext()
 
-    def _generate(self, prompts, n, temperature, max_tokens, adapter):
+    def _generate(self, prompts, n, temperature, max_tokens, adapter, cancelled: threading.Event):
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class Cancelled(StoppingCriteria):
+            """Ends generation at the next token once the request is cancelled (the server went to
+            sleep): the worker thread would otherwise compute the whole batch while the learner trains."""
+
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.full((input_ids.shape[0],), cancelled.is_set(), dtype=torch.bool)
+
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         width = max(len(p) for p in prompts)
@@ -77,6 +86,7 @@ class HFBackend:
                 max_new_tokens=max_tokens,
                 pad_token_id=pad,
                 eos_token_id=eos,
+                stopping_criteria=StoppingCriteriaList([Cancelled()]),
                 output_logits=sample,
                 return_dict_in_generate=True,
             )
@@ -95,7 +105,12 @@ class HFBackend:
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     async def generate(self, prompts, *, n, temperature, max_tokens, adapter):
-        return await self._run(self._generate, prompts, n, temperature, max_tokens, adapter)
+        cancelled = threading.Event()
+        try:
+            return await self._run(self._generate, prompts, n, temperature, max_tokens, adapter, cancelled)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
 
     def _score(self, prompt, completion, adapter):
         ids = torch.tensor([prompt + completion], device=self.device)

@@ -125,7 +125,9 @@ def plot(metrics: list[dict], before: float, after: float, steps: int, path: Pat
         (axes[1][2], "ratio/clipfrac", "fraction of tokens", "PPO clip fraction"),
     ]
     for ax, key, ylabel, title in panels:
-        y = [m.get(key, float("nan")) for m in metrics]
+        y = [float("nan") if m.get(key) is None else m[key] for m in metrics]
+        if all(v != v for v in y):  # all NaN: e.g. KL with beta = 0 (no reference pass)
+            title += " - not computed (beta = 0)"
         ax.plot(x, y, "o", alpha=0.35)
         ax.plot(x, _smooth(y), "-", lw=2)
         ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
@@ -140,7 +142,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's)")
     p.add_argument("--eval-problems", type=int, default=100, help="held-out problems to score before/after")
     p.add_argument("--out", default=None, help="run folder (default: runs/demo-<time>)")
-    args = p.parse_args()
+    p.add_argument(
+        "overrides", nargs="*", metavar="--section.key=value", help="config overrides for both processes"
+    )
+    args, extra = p.parse_known_args()
+    extra = [*args.overrides, *extra]
+    bad = [o for o in extra if not (o.startswith("--") and "=" in o)]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)} (config overrides look like --section.key=value)")
 
     t_start = time.time()
     out = Path(args.out or REPO / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
@@ -154,6 +163,7 @@ def main() -> int:
     ]
     if args.steps:
         overrides.append(f"--learner.steps={args.steps}")
+    overrides += extra
     cfg = load_config(REPO / args.config, [o[2:] for o in overrides])
     token = secrets.token_hex(16)
     env = dict(os.environ, TANDEM_API_TOKEN=token, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")

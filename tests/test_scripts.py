@@ -32,7 +32,9 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
     assert out.returncode == 2 and message in out.stderr
 
 
-@pytest.mark.parametrize("script", ["bench_rollout.py", "bench_trl.py", "bench_publish.py", "demo.py"])
+@pytest.mark.parametrize(
+    "script", ["bench_rollout.py", "bench_trl.py", "bench_publish.py", "bench_learner.py", "demo.py"]
+)
 def test_benchmark_help(script):
     out = _run(f"scripts/{script}", "--help", timeout=120)
     assert out.returncode == 0 and "usage:" in out.stdout

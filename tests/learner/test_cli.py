@@ -25,7 +25,7 @@ def _learner(*args, timeout=120):
     [
         (
             ["--learner.grad_accum=3"],
-            "batch size: learner.prompts_per_step x sampling.group_size = 4 x 8 = 32",
+            "batch size: learner.prompts_per_step x sampling.group_size = 2 x 8 = 16",
         ),
         (["--learner.bogus=1"], "invalid config: learner.bogus: unknown key"),
         (["--sampling.group_size=1"], "sampling.group_size: Input should be greater than or equal to 2"),

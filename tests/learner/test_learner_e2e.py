@@ -32,6 +32,7 @@ LEARNER = [
     "--learner.dynamic_sampling=false",
     "--learner.pull_wait_s=120",
     "--learner.lr=2e-4",
+    "--grpo.beta=0.04",  # the KL term and its metric (cpu.toml turns it off for speed)
 ]
 # Two processes vs one on the same groups, fp32: the gradients agree to float rounding, and Adam's first
 # step moves each element by ±lr·g/(|g|+eps) ≈ ±lr. A flipped element would differ by 2·lr = 4e-4.
