@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import logging
 import os
+import signal
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -272,6 +273,11 @@ def serve(cfg: TandemConfig) -> int:
         return 2
     log.info("%d %s problems (%s split)", len(problems), cfg.data.task, cfg.data.split)
     app = create_app(cfg, problems, model_path, lambda: make_backend(cfg, model_path))
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler that
+    # was installed before it started; with the default one the process would die by the signal (exit
+    # 143) after a clean shutdown. A handler that does nothing lets serve() return 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
     uvicorn.run(
         app, host=cfg.server.host, port=cfg.server.port, log_level="info", timeout_graceful_shutdown=10
     )

@@ -89,6 +89,11 @@ class ServerConfig(_Section):
         default=1024, ge=1, description="cap on prompts x n of one /v1/generate request"
     )
     max_loras: int = Field(default=2, ge=1, description=">= max_staleness + 1 in split mode")
+    hf_merge_adapters: bool = Field(
+        default=False,
+        description="hf backend: serve each adapter version as a base copy with the adapter merged in "
+        "(faster generation, one model's memory per loaded version)",
+    )
     seed: int = 0
     vllm: VllmConfig = VllmConfig()
 
