@@ -28,14 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from learner.client import RolloutClient  # noqa: E402
 from shared.config import load_config  # noqa: E402
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from shared.net import free_port  # noqa: E402
 
 
 def overrides(args) -> list[str]:

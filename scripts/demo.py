@@ -14,7 +14,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,12 +25,7 @@ sys.path.insert(0, str(REPO))
 from learner.client import RolloutClient  # noqa: E402
 from learner.evaluate import evaluate  # noqa: E402
 from shared.config import load_config  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from shared.net import free_port  # noqa: E402
 
 
 def start(args: list[str], log: Path, env: dict) -> subprocess.Popen:

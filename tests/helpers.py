@@ -5,22 +5,16 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from learner.client import RolloutClient
+from shared.net import free_port  # noqa: F401 (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def proc_env(**extra: str) -> dict[str, str]:

@@ -4,7 +4,6 @@ hangs. A real server (HF backend, SmolLM2) as a subprocess; limits kept small so
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -58,14 +57,19 @@ def test_no_request_gets_a_5xx_or_hangs(tmp_path, model_dir):
         proc.stop()
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
-    # The count of generated cases, for the record (pytest -s shows it); and a floor so a schema that
-    # stopped listing the endpoints cannot pass vacuously.
-    cases = sum(1 for line in report.read_text().splitlines() if '"ScenarioFinished"' in line)
-    summary = re.findall(r"\d+ (?:test cases|generated)[^\n]*", out)
-    print(f"schemathesis: {cases} scenarios; {summary}")
-    operations = {
-        json.loads(line)["ScenarioStarted"]["label"]
-        for line in report.read_text().splitlines()
-        if '"ScenarioStarted"' in line and json.loads(line)["ScenarioStarted"].get("label")
+    # The NDJSON report holds every request and response: count them, check no status was a 5xx, and
+    # that every endpoint was exercised (a schema that stopped listing them cannot pass vacuously).
+    text = report.read_text()
+    statuses = [int(x) for x in re.findall(r'"status_code":(\d+)', text)]
+    paths = set(re.findall(r'"path":"(/[^"]*)"', text))
+    print(f"schemathesis: {len(statuses)} generated requests over {len(paths)} endpoints")
+    assert statuses and max(statuses) < 500
+    assert len(statuses) >= 200
+    assert paths >= {
+        "/health",
+        "/v1/groups/pull",
+        "/v1/groups/ack",
+        "/v1/adapters",
+        "/v1/generate",
+        "/v1/score",
     }
-    assert len(operations) >= 10, operations
