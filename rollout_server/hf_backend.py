@@ -19,7 +19,7 @@ class HFBackend:
     """Two ways to serve an adapter version: as a peft adapter on the shared base (`merge=False`: little
     memory, LoRA's extra matmuls on every token), or as a copy of the base with the adapter merged into
     its weights (`merge=True`, server.hf_merge_adapters: one model's memory per loaded version, and the
-    base model's speed; on CPU, where peft's per-layer LoRA calls dominate, it generates ~2x faster)."""
+    base model's speed; ~20 % more tokens/s on a 2-core CPU with SmolLM2, logprobs equal to 1e-5)."""
 
     name = "hf"
 
@@ -139,20 +139,18 @@ class HFBackend:
 
         from peft import PeftModel
 
-        if self.merge:
-            try:
+        try:  # peft raises many types for a bad adapter; say which adapter and why
+            if self.merge:
                 merged = PeftModel.from_pretrained(copy.deepcopy(self.base), adapter.path).merge_and_unload()
-            except Exception as e:  # peft raises many types for a bad adapter
-                raise AdapterLoadError(f"peft could not load {adapter.name}: {e}") from e
-            self._merged[adapter.name] = merged.eval()
-            return
-        try:
-            if not self._loaded:
+            elif not self._loaded:
                 self.model = PeftModel.from_pretrained(self.model, adapter.path, adapter_name=adapter.name)
             else:
                 self.model.load_adapter(adapter.path, adapter_name=adapter.name)
-        except Exception as e:  # peft raises many types for a bad adapter; say which adapter and why
+        except Exception as e:
             raise AdapterLoadError(f"peft could not load {adapter.name}: {e}") from e
+        if self.merge:
+            self._merged[adapter.name] = merged.eval()
+            return
         self.model.eval()
         self._loaded.add(adapter.name)
 
