@@ -4,10 +4,11 @@
     .venv/bin/python scripts/bench_trl.py [--steps 4] [--prompts 4] [--group-size 8] [--max-tokens 64]
 
 Same model (SmolLM2-135M-Instruct, fp32), same prompts (the arith task's train split, in the same order),
-same B, G, max new tokens, temperature, LoRA (r, alpha, targets), beta, learning rate and loss
-aggregation (TRL's loss_type="grpo" = tandem's seq_mean_token_mean); no dynamic sampling on either side.
-tandem runs as its two processes (server + DeepSpeed learner, time-sliced as in deploy/configs/cpu.toml);
-TRL as one process. Each side's first step is a warm-up; the figures are medians over the others.
+same B, G, max new tokens, temperature, LoRA (r, alpha, targets), beta, constant learning rate (tiny by
+default, see --lr) and loss aggregation (TRL's loss_type="grpo" = tandem's seq_mean_token_mean); no
+dynamic sampling on either side. tandem runs as its two processes (server + DeepSpeed learner,
+time-sliced as in deploy/configs/cpu.toml); TRL as one process. Each side's first step is a warm-up; the
+figures are the median step time over the others and completion tokens/s over the others.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from learner.client import RolloutClient  # noqa: E402
-from shared.config import load_config  # noqa: E402
+from shared.config import ConfigError, load_config  # noqa: E402
 from shared.net import free_port  # noqa: E402
 
 
@@ -41,12 +42,13 @@ def overrides(args) -> list[str]:
         f"learner.grad_accum={n // min(8, n)}",
         f"learner.steps={args.steps}",
         "learner.dynamic_sampling=false",
+        f"learner.lr={args.lr}",
         f"server.queue_size={args.prompts}",
         f"server.prompts_per_batch={args.prompts}",
     ]
 
 
-def run_tandem(args, work: Path) -> list[float]:
+def run_tandem(args, work: Path) -> list[tuple[float, float]]:
     port = free_port()
     extra = [
         *overrides(args),
@@ -82,10 +84,11 @@ def run_tandem(args, work: Path) -> list[float]:
         server.terminate()
         server.wait(timeout=60)
     records = [json.loads(line) for line in (work / "learner" / "metrics.jsonl").read_text().splitlines()]
-    return [r["perf/step_s"] for r in records]
+    n = args.prompts * args.group_size
+    return [(r["perf/step_s"], r["completion/length"] * n) for r in records]
 
 
-def run_trl(args, work: Path) -> list[float]:
+def run_trl(args, work: Path) -> list[tuple[float, float]]:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -117,6 +120,8 @@ def run_trl(args, work: Path) -> list[float]:
         temperature=cfg.sampling.temperature,
         top_p=1.0,
         learning_rate=cfg.learner.lr,
+        lr_scheduler_type="constant",  # tandem's learning rate is constant
+        weight_decay=cfg.learner.weight_decay,
         beta=cfg.grpo.beta,
         epsilon=cfg.grpo.epsilon_low,
         loss_type="grpo",
@@ -140,14 +145,21 @@ def run_trl(args, work: Path) -> list[float]:
     )
 
     class Timer(TrainerCallback):
+        """Wall clock of each optimizer step (generation included) and its completion tokens."""
+
         def __init__(self):
             self.t = time.perf_counter()
             self.step_s: list[float] = []
+            self.tokens: list[float] = []
 
         def on_step_end(self, *a, **k):
             now = time.perf_counter()
             self.step_s.append(now - self.t)
             self.t = now
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                self.tokens.append(float(logs["completions/mean_length"]) * n)
 
     timer = Timer()
     trainer = GRPOTrainer(
@@ -161,7 +173,7 @@ def run_trl(args, work: Path) -> list[float]:
     print(f"[trl] {args.steps} steps ...", flush=True)
     timer.t = time.perf_counter()
     trainer.train()
-    return timer.step_s
+    return list(zip(timer.step_s, timer.tokens, strict=True))
 
 
 def main() -> int:
@@ -171,33 +183,50 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=4, help="B")
     p.add_argument("--group-size", type=int, default=8, help="G")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=1e-9,
+        help="both sides' learning rate; tiny by default so that neither policy drifts and both generate "
+        "the same length distribution every step (at the config's 7e-4, one side learnt to answer "
+        "shorter within 3 steps and the step times no longer compared the same work)",
+    )
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is a warm-up)")
+    try:  # both sides read this config; say what is wrong before starting anything
+        load_config(args.config, overrides(args))
+    except ConfigError as e:
+        p.error(str(e))
     try:
         import trl
     except ImportError:
         p.error("TRL is not installed: .venv/bin/pip install trl==1.16.0")
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-trl-"))
-    tandem = run_tandem(args, work)
-    trl_steps = run_trl(args, work)
+    sides = {"tandem": run_tandem(args, work), "trl": run_trl(args, work)}
     n = args.prompts * args.group_size
-    t, r = statistics.median(tandem[1:]), statistics.median(trl_steps[1:])
     result = {
         "workload": f"{args.prompts} prompts x G={args.group_size}, <= {args.max_tokens} new tokens",
         "trl_version": trl.__version__,
-        "tandem_step_s": tandem,
-        "trl_step_s": trl_steps,
-        "tandem_median_step_s": t,
-        "trl_median_step_s": r,
-        "tandem_completions_per_s": n / t,
-        "trl_completions_per_s": n / r,
-        "step_time_ratio_tandem_over_trl": t / r,
     }
+    for name, steps in sides.items():
+        timed = steps[1:]  # the first step is a warm-up
+        result[f"{name}_step_s"] = [s for s, _ in steps]
+        result[f"{name}_completion_tokens"] = [t for _, t in steps]
+        result[f"{name}_median_step_s"] = statistics.median(s for s, _ in timed)
+        result[f"{name}_completions_per_s"] = n / result[f"{name}_median_step_s"]
+        # The policies drift apart (one learns to answer shorter), so tokens/s is the fairer rate.
+        result[f"{name}_completion_tokens_per_s"] = sum(t for _, t in timed) / sum(s for s, _ in timed)
+    t, r = result["tandem_median_step_s"], result["trl_median_step_s"]
+    tt, rt = result["tandem_completion_tokens_per_s"], result["trl_completion_tokens_per_s"]
+    result["step_time_ratio_tandem_over_trl"] = t / r
+    result["tokens_per_s_ratio_tandem_over_trl"] = tt / rt
     print(
         f"\nstep time (median of steps 2..{args.steps}): tandem {t:.1f} s, TRL {r:.1f} s; "
-        f"tandem/TRL = {t / r:.2f}\ncompletions/s: tandem {n / t:.2f}, TRL {n / r:.2f}"
+        f"tandem/TRL = {t / r:.2f}\ncompletions/s: tandem {n / t:.2f}, TRL {n / r:.2f}\n"
+        f"completion tokens/s (steps 2..{args.steps}): tandem {tt:.1f}, TRL {rt:.1f}; "
+        f"tandem/TRL = {tt / rt:.2f}"
     )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

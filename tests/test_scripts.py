@@ -38,3 +38,9 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
 def test_benchmark_help(script):
     out = _run(f"scripts/{script}", "--help", timeout=120)
     assert out.returncode == 0 and "usage:" in out.stdout
+
+
+def test_trl_benchmark_checks_the_shared_config_before_starting_anything():
+    out = _run("scripts/bench_trl.py", "--lr", "0", timeout=120)
+    assert out.returncode == 2
+    assert "invalid config: learner.lr: Input should be greater than 0 (got 0.0)" in out.stderr
