@@ -5,12 +5,13 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 from compose_spec import PyCompose
 
-from tests.helpers import REPO
+from tests.helpers import REPO, free_port, proc_env
 
 FILES = {
     "gpu": ["docker-compose.yml"],
@@ -98,3 +99,51 @@ def test_the_commands_compose_runs_start_from_valid_configs(variant):
     assert (
         learner["learner"]["placement"] == {"gpu": "timeslice", "split": "split", "cpu": "timeslice"}[variant]
     )
+
+
+@pytest.mark.slow
+def test_the_cpu_variant_trains_a_step_as_compose_runs_it(tmp_path):
+    """deploy/compose.cpu.yml's two commands and its healthcheck, run here with the full cpu.toml: only
+    the port, the /runs volume and the service's host name are this machine's."""
+    services = load("cpu")["services"]
+    port = free_port()
+
+    def here(arg: str) -> str:
+        arg = re.sub(r"=/runs/", f"={tmp_path}/runs/", arg)
+        return arg.replace("rollout-server:8000", f"127.0.0.1:{port}").replace(":8000/", f":{port}/")
+
+    server_cmd = [here(a) for a in _local(services["rollout-server"]["command"])]
+    learner_cmd = [here(a) for a in _local(services["learner"]["command"])]
+    check = services["rollout-server"]["healthcheck"]["test"]
+    assert check[:2] == ["CMD", "python"]
+    healthcheck = [sys.executable, *(here(a) for a in check[2:])]
+    env = proc_env()
+    server = subprocess.Popen(
+        [*server_cmd, f"--server.port={port}"],
+        env=env,
+        cwd=REPO,
+        stdout=(tmp_path / "server.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 300  # Compose: start_period 180 s, then retries
+        while subprocess.run(healthcheck, capture_output=True, timeout=30).returncode != 0:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the healthcheck never passed"
+            time.sleep(2)
+        learner = subprocess.run(
+            [*learner_cmd, "--learner.steps=1"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert learner.returncode == 0, learner.stdout[-3000:] + learner.stderr[-3000:]
+        assert "done at step 1; server serves v1" in learner.stdout + learner.stderr
+        metrics = (tmp_path / "runs/learner/metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in metrics] == [1]
+        assert (tmp_path / "runs/server").is_dir()  # the server's state_dir is on the /runs volume
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
