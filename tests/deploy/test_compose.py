@@ -11,7 +11,7 @@ import pytest
 import yaml
 from compose_spec import PyCompose
 
-from tests.helpers import REPO, free_port, proc_env
+from tests.helpers import REPO, Proc, free_port, proc_env
 
 FILES = {
     "gpu": ["docker-compose.yml"],
@@ -118,17 +118,12 @@ def test_the_cpu_variant_trains_a_step_as_compose_runs_it(tmp_path):
     assert check[:2] == ["CMD", "python"]
     healthcheck = [sys.executable, *(here(a) for a in check[2:])]
     env = proc_env()
-    server = subprocess.Popen(
-        [*server_cmd, f"--server.port={port}"],
-        env=env,
-        cwd=REPO,
-        stdout=(tmp_path / "server.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    assert server_cmd[0] == sys.executable
+    server = Proc([*server_cmd[1:], f"--server.port={port}"], tmp_path / "server.log", env=env)
     try:
         deadline = time.monotonic() + 300  # Compose: start_period 180 s, then retries
         while subprocess.run(healthcheck, capture_output=True, timeout=30).returncode != 0:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            assert server.alive(), server.log()[-3000:]
             assert time.monotonic() < deadline, "the healthcheck never passed"
             time.sleep(2)
         learner = subprocess.run(
@@ -145,5 +140,4 @@ def test_the_cpu_variant_trains_a_step_as_compose_runs_it(tmp_path):
         assert [json.loads(line)["step"] for line in metrics] == [1]
         assert (tmp_path / "runs/server").is_dir()  # the server's state_dir is on the /runs volume
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop()
