@@ -88,7 +88,7 @@ def run_tandem(args, work: Path) -> list[tuple[float, float]]:
     return [(r["perf/step_s"], r["completion/length"] * n) for r in records]
 
 
-def run_trl(args, work: Path) -> list[tuple[float, float]]:
+def run_trl(args, cfg, work: Path) -> list[tuple[float, float]]:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -99,7 +99,6 @@ def run_trl(args, work: Path) -> list[tuple[float, float]]:
     from shared.models import resolve_model
     from shared.reward import verify
 
-    cfg = load_config(args.config, overrides(args))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     problems = load_problems(cfg.data)
     order = epoch_order(len(problems), cfg.data.seed, 0)[: args.prompts * args.steps]
@@ -196,7 +195,7 @@ def main() -> int:
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is a warm-up)")
     try:  # both sides read this config; say what is wrong before starting anything
-        load_config(args.config, overrides(args))
+        cfg = load_config(args.config, overrides(args))
     except ConfigError as e:
         p.error(str(e))
     try:
@@ -204,7 +203,7 @@ def main() -> int:
     except ImportError:
         p.error("TRL is not installed: .venv/bin/pip install trl==1.16.0")
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-trl-"))
-    sides = {"tandem": run_tandem(args, work), "trl": run_trl(args, work)}
+    sides = {"tandem": run_tandem(args, work), "trl": run_trl(args, cfg, work)}
     n = args.prompts * args.group_size
     result = {
         "workload": f"{args.prompts} prompts x G={args.group_size}, <= {args.max_tokens} new tokens",
