@@ -1,19 +1,31 @@
-"""Checkpoints and the start-up handshake with the server.
+"""Checkpoints, the run's record files, and the start-up handshake with the server.
 
 out_dir/
   adapters/v<N>/                 every published adapter (peft format), what the server was sent
   checkpoints/step-<k>/          ds/ (LoRA weights + optimizer state, per rank), rng-rank<r>.pt,
                                  state.json (step, policy version, leases not yet acked), config.json
   checkpoints/latest             name of the newest complete checkpoint
-  metrics.jsonl, tensorboard/, config.json
+  inflight_leases.json           leases pulled and not yet covered by a checkpoint
+  groups.jsonl, metrics.jsonl    one line per step: what it trained on, what it measured
+  tensorboard/, config.json
+
+A checkpoint is written after every step, before that step's groups are acked: an ack is never sent for
+training that no checkpoint holds, so a learner killed at any point resumes without losing or repeating
+a group. Only trainable weights and their optimizer state are saved (a few MB for LoRA). The newest
+`learner.keep_checkpoints` are kept, and every `learner.checkpoint_every`-th one for good.
+
+Every file read back is checked; a bad one raises CheckpointError naming it and saying what to do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
+import re
 import shutil
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,12 +39,18 @@ from shared.config import TandemConfig
 @dataclass
 class State:
     step: int = 0
-    version: int = 0  # policy version = optimizer steps taken; v0 is the base model
-    pending_leases: list[str] = field(default_factory=list)
+    version: int = 0  # policy version served for this learner's weights; v0 is the base model
+    pending_leases: list[str] = field(default_factory=list)  # trained on, maybe not yet acked
+    # Groups made by versions below this are not of this run's lineage (see sync_server): stale.
+    floor_version: int = 0
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class OutDirError(CheckpointError):
+    """learner.out_dir cannot take a write (disk full, read-only, permissions)."""
 
 
 def check_out_dir(out: Path, resume: bool, min_free_mb: float = 200.0) -> None:
@@ -54,33 +72,93 @@ def check_out_dir(out: Path, resume: bool, min_free_mb: float = 200.0) -> None:
             f"learner.out_dir={out} already holds a run's checkpoints: pass --resume to continue it, "
             "or choose another learner.out_dir"
         )
+    if resume:
+        latest_checkpoint(out)  # a damaged checkpoint is reported now, before the model is built
+
+
+@contextlib.contextmanager
+def writing(out: Path, what: str):
+    """Turn a failed write under out_dir into one OutDirError line. torch.save reports a full disk as a
+    RuntimeError ("[enforce fail at inline_container.cc] . unexpected pos"), hence both types."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        if isinstance(e, OSError) and e.strerror:
+            reason = e.strerror
+        else:
+            lines = str(e).strip().splitlines()
+            reason = lines[0] if lines else type(e).__name__
+        with contextlib.suppress(OSError):
+            free_mb = shutil.disk_usage(out).free / 2**20
+            if free_mb < 64:
+                reason = f"No space left on device ({free_mb:.0f} MB free)"
+        raise OutDirError(
+            f"could not write {what} under learner.out_dir={out}: {reason}. Free space or fix the "
+            "permissions, then run again with --resume"
+        ) from None
 
 
 def save_config(cfg: TandemConfig, out: Path) -> None:
-    (out / "config.json").write_text(cfg.dump() + "\n")
+    with writing(out, "config.json"):
+        (out / "config.json").write_text(cfg.dump() + "\n")
 
 
 def save_adapter(engine, out: Path, version: int) -> Path:
     folder = out / "adapters" / f"v{version}"
-    engine.module.save_pretrained(str(folder))
+    with writing(out, f"adapters/v{version}"):
+        engine.module.save_pretrained(str(folder))
     return folder
 
 
 def record_groups(out: Path, step: int, groups) -> None:
     """Append the groups a step trained on: the audit trail for "trained exactly once", and the input
-    of `learner.replay_file`."""
-    with (out / "groups.jsonl").open("a") as f:
+    of `learner.replay_file`. Lines past the checkpoint a run resumes from are cut (truncate_records)."""
+    with writing(out, "groups.jsonl"), (out / "groups.jsonl").open("a") as f:
         f.write(json.dumps({"step": step, "groups": [g.model_dump() for g in groups]}) + "\n")
 
 
+def truncate_records(out: Path, step: int, log) -> None:
+    """Keep the lines of groups.jsonl and metrics.jsonl up to `step`, the checkpoint resumed from: steps
+    after it are trained again (their groups were never acked), so their old lines would count twice. A
+    line cut short by a crash is dropped too."""
+    for name in ("groups.jsonl", "metrics.jsonl"):
+        path = out / name
+        if not path.is_file():
+            continue
+        kept, dropped = [], 0
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+                keep = isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step
+            except json.JSONDecodeError:
+                keep = False
+            if keep:
+                kept.append(line)
+            elif line.strip():
+                dropped += 1
+        if dropped:
+            with writing(out, name):
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(f"{line}\n" for line in kept))
+                tmp.replace(path)
+            log(f"{name}: dropped {dropped} line(s) after step {step}, the checkpoint resumed from")
+
+
 def replay_groups(path: str, step: int):
+    from pydantic import ValidationError
+
     from shared.protocol import ScoredGroup
 
     with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if rec["step"] == step:
-                return [ScoredGroup.model_validate(g) for g in rec["groups"]]
+        for n, line in enumerate(f, 1):
+            try:
+                rec = json.loads(line)
+                if rec["step"] == step:
+                    return [ScoredGroup.model_validate(g) for g in rec["groups"]]
+            except (json.JSONDecodeError, KeyError, TypeError, ValidationError) as e:
+                raise CheckpointError(
+                    f"learner.replay_file={path}, line {n}: not a groups.jsonl record ({type(e).__name__})"
+                ) from None
     raise CheckpointError(f"learner.replay_file={path} holds no groups for step {step}")
 
 
@@ -94,32 +172,113 @@ def base_digest(engine) -> str:
     return h.hexdigest()
 
 
-def save(engine, out: Path, state: State, rank: int) -> None:
-    """All ranks call this. `latest` moves only once every rank has written its part."""
+def check_finite(engine, step: int) -> None:
+    """A diverged step (NaN/inf LoRA weights) must not be checkpointed or published."""
+    bad = [n for n, p in engine.module.named_parameters() if p.requires_grad and not torch.isfinite(p).all()]
+    if bad:
+        raise CheckpointError(
+            f"step {step} left non-finite LoRA weights ({len(bad)} tensors, e.g. {bad[0]}): the policy "
+            "diverged. Lower learner.lr (or raise deepspeed.gradient_clipping), then --resume from the "
+            "previous step's checkpoint"
+        )
+
+
+# -- checkpoints ------------------------------------------------------------------------------------------
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def _checkpoints(out: Path) -> dict[int, Path]:
+    folder = out / "checkpoints"
+    found = {}
+    for p in folder.iterdir() if folder.is_dir() else []:
+        m = _STEP_DIR.fullmatch(p.name)
+        if m and p.is_dir():
+            found[int(m.group(1))] = p
+    return found
+
+
+def save(engine, out: Path, state: State, rank: int, keep: int, every: int) -> None:
+    """All ranks call this. `latest` moves only once every rank has written its part; then checkpoints
+    beyond the newest `keep` are removed, except every `every`-th step's."""
     folder = out / "checkpoints" / f"step-{state.step}"
-    save_checkpoint(engine, folder, client_state={"tandem": asdict(state)})
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    torch.save(rng, folder / f"rng-rank{rank}.pt")
+    with writing(out, f"checkpoints/{folder.name}"):
+        save_checkpoint(engine, folder, client_state={"tandem": asdict(state)})
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        torch.save(rng, folder / f"rng-rank{rank}.pt")
     barrier()
     if rank == 0:
-        (folder / "state.json").write_text(json.dumps(asdict(state)))
-        shutil.copy(out / "config.json", folder / "config.json")
-        tmp = out / "checkpoints" / "latest.tmp"
-        tmp.write_text(folder.name)
-        tmp.replace(out / "checkpoints" / "latest")
+        with writing(out, f"checkpoints/{folder.name}"):
+            (folder / "state.json").write_text(json.dumps(asdict(state)))
+            shutil.copy(out / "config.json", folder / "config.json")
+            tmp = out / "checkpoints" / "latest.tmp"
+            tmp.write_text(folder.name)
+            tmp.replace(out / "checkpoints" / "latest")
+        prune(out, state.step, keep, every)
     barrier()
+
+
+def prune(out: Path, newest: int, keep: int, every: int) -> list[int]:
+    """Remove checkpoints older than the newest `keep` unless their step is a multiple of `every`, and any
+    past `newest` (partial ones a crash left behind). Returns the steps removed."""
+    found = _checkpoints(out)
+    recent = sorted(s for s in found if s <= newest)[-keep:]
+    gone = [s for s in sorted(found) if s > newest or (s not in recent and s % every)]
+    for s in gone:
+        shutil.rmtree(found[s], ignore_errors=True)
+    return gone
+
+
+def latest_checkpoint(out: Path) -> tuple[Path, State] | None:
+    """The checkpoint `checkpoints/latest` names, checked without loading it; None on a fresh out_dir."""
+    latest = out / "checkpoints" / "latest"
+    if not latest.is_file():
+        return None
+    others = sorted(_checkpoints(out))
+    fix = (
+        f"Point it at an older checkpoint (echo step-N > {latest}; present: "
+        f"{', '.join(f'step-{s}' for s in others) or 'none'}), or start over in a new learner.out_dir"
+    )
+    name = latest.read_text(errors="replace").strip()
+    if not _STEP_DIR.fullmatch(name):
+        raise CheckpointError(f"{latest} does not name a checkpoint (it holds {name[:40]!r}). {fix}")
+    folder = out / "checkpoints" / name
+    state_file = folder / "state.json"
+    try:
+        raw = json.loads(state_file.read_text())
+        state = State(**raw)
+        counts = (state.step, state.version, state.floor_version)
+        leases = state.pending_leases
+        ok = all(isinstance(n, int) and n >= 0 for n in counts)
+        ok = ok and isinstance(leases, list) and all(isinstance(x, str) for x in leases)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{state_file} (named by {latest}) is missing or damaged. {fix}")
+    parts = list((folder / "ds").glob("*.pt")) + list(folder.glob("rng-rank*.pt"))
+    broken = [p for p in parts if not zipfile.is_zipfile(p)]
+    if not parts or broken:
+        what = broken[0] if broken else folder / "ds"
+        raise CheckpointError(f"{what} (named by {latest}) is not a complete checkpoint file. {fix}")
+    return folder, state
 
 
 def resume(engine, out: Path, rank: int) -> State:
-    latest = out / "checkpoints" / "latest"
-    if not latest.is_file():
+    found = latest_checkpoint(out)
+    if found is None:
         return State()  # --resume on a fresh out_dir starts from step 0
-    folder = out / "checkpoints" / latest.read_text().strip()
-    client_state = load_checkpoint(engine, folder)
+    folder, _ = found
+    try:
+        client_state = load_checkpoint(engine, folder)
+        rng_file = folder / f"rng-rank{rank}.pt"
+        rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
+    except Exception as e:  # DeepSpeed and torch raise many types for a damaged file; name the folder
+        raise CheckpointError(
+            f"checkpoint {folder} does not load ({type(e).__name__}: {str(e).splitlines()[0][:200]}). "
+            f"Point {out / 'checkpoints' / 'latest'} at an older step-N, or start over in a new "
+            "learner.out_dir"
+        ) from None
     state = State(**client_state["tandem"])
-    rng_file = folder / f"rng-rank{rank}.pt"
-    if rng_file.is_file():
-        rng = torch.load(rng_file, weights_only=False)
+    if rng is not None:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
     if rank == 0:
@@ -127,20 +286,36 @@ def resume(engine, out: Path, rank: int) -> State:
     return state
 
 
+# -- leases and the handshake ---------------------------------------------------------------------------
 def write_inflight(out: Path, lease_ids: list[str]) -> None:
     """Leases pulled and not yet acked, on disk the moment they exist: a learner killed mid-step
     leaves them here, and its successor gives their groups back (see sync_server)."""
-    tmp = out / "inflight_leases.json.tmp"
-    tmp.write_text(json.dumps(lease_ids))
-    tmp.replace(out / "inflight_leases.json")
+    with writing(out, "inflight_leases.json"):
+        tmp = out / "inflight_leases.json.tmp"
+        tmp.write_text(json.dumps(lease_ids))
+        tmp.replace(out / "inflight_leases.json")
+
+
+def read_inflight(out: Path) -> list[str]:
+    path = out / "inflight_leases.json"
+    if not path.is_file():
+        return []
+    try:
+        ids = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        ids = None
+    if not isinstance(ids, list) or not all(isinstance(x, str) for x in ids):
+        raise CheckpointError(
+            f"{path} is damaged (not a JSON list of lease ids). Delete it: the groups it named return to "
+            "the server's queue when their lease runs out (server.lease_s)"
+        )
+    return ids
 
 
 def _settle_leases(client: RolloutClient, state: State, out: Path, log) -> None:
     """Ack what the checkpoint trained on; release what a killed predecessor pulled but never trained,
     so those groups are trained next (not whenever their lease would have expired)."""
-    inflight_file = out / "inflight_leases.json"
-    inflight = json.loads(inflight_file.read_text()) if inflight_file.is_file() else []
-    for lease_id in dict.fromkeys([*state.pending_leases, *inflight]):
+    for lease_id in dict.fromkeys([*state.pending_leases, *read_inflight(out)]):
         trained = lease_id in state.pending_leases
         try:
             if trained:
@@ -157,7 +332,11 @@ def _settle_leases(client: RolloutClient, state: State, out: Path, log) -> None:
 
 def sync_server(client: RolloutClient, engine, state: State, out: Path, log) -> None:
     """Settle leases left by a previous run, wake the server if it was left asleep, and make it serve
-    exactly the learner's policy version before training starts."""
+    exactly this learner's weights before training starts.
+
+    A server ahead of the checkpoint (it serves a version this learner's state does not hold: another
+    run's, or steps after a checkpoint that was lost) gets this learner's weights as the next version;
+    groups made by older versions are then stale (State.floor_version)."""
     _settle_leases(client, state, out, log)
     health = client.health()
     if health.sleeping:  # a previous learner may have died between sleep and wake
@@ -166,11 +345,12 @@ def sync_server(client: RolloutClient, engine, state: State, out: Path, log) -> 
     if served == state.version:
         return
     if served > state.version:
-        raise CheckpointError(
-            f"the server serves policy v{served}, newer than this learner's v{state.version}. Resume the run "
-            f"that published it (--resume with its learner.out_dir), or start the server with an empty "
-            f"server.state_dir"
+        log(
+            f"WARNING: the server serves v{served}, ahead of this learner's checkpoint (step {state.step}, "
+            f"v{state.version}); publishing this learner's weights as v{served + 1} so both sides agree. "
+            f"Groups made by v{served} and older are dropped as stale"
         )
+        state.version = state.floor_version = served + 1
     folder = out / "adapters" / f"v{state.version}"
     if not folder.is_dir():
         folder = save_adapter(engine, out, state.version)

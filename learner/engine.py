@@ -121,7 +121,20 @@ def reference_policy(engine):
 
 def save_checkpoint(engine, folder: Path, client_state: dict) -> None:
     """All ranks must call this. Only trainable (LoRA) weights and their optimizer state are saved."""
-    engine.save_checkpoint(str(folder), tag="ds", client_state=client_state, exclude_frozen_parameters=True)
+    # DeepSpeed's exclude_frozen_parameters drops frozen names that named_parameters() yields, and that
+    # skips the second name of a tied weight: SmolLM2's frozen lm_head (108 of a 137 MB checkpoint) was
+    # saved every time. Filter the state dict by what is trained instead.
+    trained = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    engine.module_state_dict = lambda **kw: {
+        k: v for k, v in type(engine).module_state_dict(engine, **kw).items() if k in trained
+    }
+    try:
+        # exclude_frozen_parameters also keeps ZeRO-2 from saving the frozen weights' fragments (538 MB)
+        engine.save_checkpoint(
+            str(folder), tag="ds", client_state=client_state, exclude_frozen_parameters=True
+        )
+    finally:
+        del engine.module_state_dict
 
 
 def load_checkpoint(engine, folder: Path) -> dict:

@@ -45,10 +45,14 @@ class Pulled:
     seconds: float = 0.0
 
 
-def collect_groups(client: RolloutClient, cfg: TandemConfig, version: int, out: Path) -> Pulled:
+def collect_groups(
+    client: RolloutClient, cfg: TandemConfig, version: int, out: Path, floor_version: int = 0
+) -> Pulled:
     """B usable groups. Stale ones are dropped; with dynamic sampling degenerate ones too, pulling more
     for up to max_pull_rounds, after which degenerate groups fill what is missing (they still carry
-    the KL term). Everything pulled is acked with the step, dropped groups included (and counted)."""
+    the KL term). Everything pulled is acked with the step, dropped groups included (and counted).
+    Each lease is on disk (inflight_leases.json) before its groups are used; one that cannot be written
+    there is given back to the server at once, and the error raised."""
     need, lr = cfg.learner.prompts_per_step, cfg.learner
     pulled, spare, rounds, t0 = Pulled([], []), [], 0, time.perf_counter()
     while len(pulled.groups) < need:
@@ -61,7 +65,7 @@ def collect_groups(client: RolloutClient, cfg: TandemConfig, version: int, out: 
         rounds += 1
         kept = 0
         for g in resp.groups:
-            if is_stale(g, version, lr.max_staleness):
+            if is_stale(g, version, lr.max_staleness, floor_version):
                 pulled.stale += 1
                 continue
             pulled.seen += 1
@@ -73,8 +77,12 @@ def collect_groups(client: RolloutClient, cfg: TandemConfig, version: int, out: 
                     continue
             pulled.groups.append(g)
         if resp.lease_id and kept:
+            try:
+                ckpt.write_inflight(out, [*pulled.lease_ids, resp.lease_id])
+            except ckpt.OutDirError:
+                release(client, [*pulled.lease_ids, resp.lease_id])
+                raise
             pulled.lease_ids.append(resp.lease_id)
-            ckpt.write_inflight(out, pulled.lease_ids)
         elif resp.lease_id:  # only stale groups: done with them now, before the lease can run out
             ack(client, resp.lease_id)
     pulled.dropped_degenerate = len(spare)
@@ -100,6 +108,26 @@ def ack(client: RolloutClient, lease_id: str) -> None:
         if e.status not in (404, 409):
             raise
         print(f"[learner] WARNING: {e}", flush=True)
+
+
+def release(client: RolloutClient, lease_ids: list[str]) -> None:
+    """Give leases back untrained (their groups go to the front of the queue), as far as the server
+    can be reached: what it cannot take back returns by itself after server.lease_s."""
+    retry, client.retry_s = client.retry_s, 0.0  # on the way out: no waiting for a server that is gone
+    try:
+        for lease_id in lease_ids:
+            with contextlib.suppress(ServerError, Interrupted):
+                client.release(lease_id)
+    finally:
+        client.retry_s = retry
+
+
+def crash_point(name: str, step: int) -> None:
+    """Fault tests: `TANDEM_CRASH_AT=<name>:<step>` SIGKILLs this process at that point of that step,
+    so a test can kill the learner exactly between two effects (checkpoint, ack, publish)."""
+    if os.environ.get("TANDEM_CRASH_AT") == f"{name}:{step}":
+        print(f"[learner] TANDEM_CRASH_AT={name}:{step}: SIGKILL", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train_step(
@@ -182,13 +210,39 @@ def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
     }
 
 
-def _collect(client: RolloutClient, cfg: TandemConfig, version: int, out: Path, log) -> Pulled | None:
-    """collect_groups, or None when a stop is requested while the server cannot be reached."""
+def _collect(client: RolloutClient, cfg: TandemConfig, state: ckpt.State, out: Path, log):
+    """collect_groups; None when a stop is requested while the server cannot be reached; the error
+    message when out_dir cannot record the leases (they were given back)."""
     try:
-        return collect_groups(client, cfg, version, out)
+        return collect_groups(client, cfg, state.version, out, state.floor_version)
     except Interrupted as e:
-        log(f"{e}: checkpoint and exit")
+        log(f"{e}: exit (the last step's checkpoint stands)")
         return None
+    except ckpt.OutDirError as e:
+        return str(e)
+
+
+def _persist(engine, cfg: TandemConfig, out: Path, state: ckpt.State, pulled: Pulled, rank: int):
+    """Everything a step leaves on disk, in the order that makes a crash anywhere recoverable: adapter,
+    groups record, then the checkpoint that covers both (`latest` moves last). Returns the adapter
+    folder on rank 0, or the error message if a write failed on any rank."""
+    error, adapter = None, None
+    try:
+        if rank == 0:
+            ckpt.check_finite(engine, state.step)
+            adapter = ckpt.save_adapter(engine, out, state.version)
+            ckpt.record_groups(out, state.step, pulled.groups)
+    except ckpt.CheckpointError as e:
+        error = str(e)
+    error = broadcast_object(error)  # every rank saves, or none does
+    if error is None:
+        try:
+            ckpt.save(engine, out, state, rank, cfg.learner.keep_checkpoints, cfg.learner.checkpoint_every)
+        except ckpt.OutDirError as e:
+            error = str(e)
+        errors = [e for e in gather_objects(error) if e]
+        error = errors[0] if errors else None
+    return adapter, error
 
 
 class _Stop:
@@ -207,6 +261,92 @@ class _Stop:
             f"[learner] {signal.Signals(signum).name}: finishing this step, then checkpoint and exit",
             flush=True,
         )
+
+
+@dataclass
+class _Run:
+    """What the loop needs besides the state it advances."""
+
+    cfg: TandemConfig
+    engine: object
+    client: RolloutClient | None
+    out: Path
+    sink: MetricsSink
+    stop: _Stop
+    rank: int
+    world: int
+    pad_id: int
+    log: object
+
+
+def _loop(run: _Run, state: ckpt.State) -> None:
+    """pull -> [sleep] -> train -> persist (adapter, groups, checkpoint) -> ack -> publish -> [wake]"""
+    cfg, engine, client, out, rank, world, log = (
+        run.cfg, run.engine, run.client, run.out, run.rank, run.world, run.log
+    )  # fmt: skip
+    pad_id, stop, sink = run.pad_id, run.stop, run.sink
+    replay = cfg.learner.replay_file
+    while state.step < cfg.learner.steps:
+        t_step = time.perf_counter()
+        if replay:
+            groups = ckpt.replay_groups(replay, state.step + 1)
+            pulled = Pulled(groups, [], seen=len(groups), degenerate=sum(map(is_degenerate, groups)))
+        else:
+            pulled = broadcast_object(_collect(client, cfg, state, out, log) if rank == 0 else None)
+            if pulled is None:  # stopped while waiting for the server: this step has not begun
+                return  # the last step's checkpoint stands; inflight_leases.json names what was pulled
+            if isinstance(pulled, str):
+                raise ckpt.OutDirError(pulled)
+        if client is not None and cfg.learner.placement == "timeslice":
+            # The server stops producing and frees its memory while we train. Interrupted: it is down, so
+            # it is not producing either; train, then stop.
+            with contextlib.suppress(Interrupted):
+                client.sleep()
+
+        t_train = time.perf_counter()
+        metrics = train_step(engine, pulled.groups, cfg, rank, world, pad_id)
+        train_s = time.perf_counter() - t_train
+        state.step += 1
+        state.version += 1
+        state.pending_leases = pulled.lease_ids
+
+        t_pub = time.perf_counter()
+        stopping = broadcast_object(stop.requested)  # rank 0 decides, so no rank waits alone in a collective
+        adapter, error = _persist(engine, cfg, out, state, pulled, rank)
+        if error is not None:
+            if client is not None:  # not durably trained: the groups go back, and the server goes on
+                release(client, pulled.lease_ids)
+            raise ckpt.CheckpointError(error)
+        crash_point("before_ack", state.step)
+        health, interrupted = None, False
+        if client is not None:
+            try:
+                for lease_id in pulled.lease_ids:
+                    ack(client, lease_id)
+                ckpt.write_inflight(out, [])
+                crash_point("before_publish", state.step)
+                client.publish(state.version, adapter)
+                crash_point("after_publish", state.step)
+                if cfg.learner.placement == "timeslice":
+                    client.wake()
+                health = client.health()
+            except Interrupted:
+                log(f"stopping with step {state.step} not yet acked/published; --resume will do it")
+                interrupted = True
+        state.pending_leases = []
+
+        metrics |= batch_metrics(pulled, state.version - 1)
+        metrics |= {
+            "policy/version": float(state.version),
+            "perf/train_s": train_s,
+            "perf/publish_s": time.perf_counter() - t_pub,
+            "perf/step_s": time.perf_counter() - t_step,
+            "server/queue_depth": float(health.queue_depth) if health else 0.0,
+        }
+        with ckpt.writing(out, "metrics.jsonl"):
+            sink.write(state.step, metrics)
+        if stopping or broadcast_object(interrupted):
+            return
 
 
 def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
@@ -243,78 +383,26 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     state = ckpt.resume(engine, out, rank) if resume else ckpt.State()
+    if lead:
+        ckpt.truncate_records(out, state.step, log)
+        ckpt.save_config(cfg, out)
     if lead and not replay:
         ckpt.sync_server(client, engine, state, out, log)
-    if lead:
-        ckpt.save_config(cfg, out)
+    state = broadcast_object(state)  # sync_server may have moved the version on rank 0
     digest_start = ckpt.base_digest(engine) if lead else None
     sink = MetricsSink(out, cfg.learner.steps, enabled=lead)
     log(
         f"steps {state.step + 1}..{cfg.learner.steps}, {world} process(es), {cfg.learner.placement} placement"
     )
 
-    interrupted = False  # rank 0: a stop request came while the server was unreachable
-    while state.step < cfg.learner.steps:
-        t_step = time.perf_counter()
-        if broadcast_object(interrupted):
-            ckpt.save(engine, out, state, rank)  # keeps the leases not yet acked, for --resume
-            break
-        if replay:
-            groups = ckpt.replay_groups(replay, state.step + 1)
-            pulled = Pulled(groups, [], seen=len(groups), degenerate=sum(map(is_degenerate, groups)))
-        else:
-            pulled = broadcast_object(_collect(client, cfg, state.version, out, log) if lead else None)
-            if pulled is None:  # stopped while waiting for the server: this step has not begun
-                ckpt.save(engine, out, state, rank)  # its leases are in inflight_leases.json
-                break
-        if client is not None and cfg.learner.placement == "timeslice":
-            # The server stops producing and frees its memory while we train. Interrupted: it is down, so
-            # it is not producing either; train, then stop.
-            with contextlib.suppress(Interrupted):
-                client.sleep()
-
-        t_train = time.perf_counter()
-        metrics = train_step(engine, pulled.groups, cfg, rank, world, pad_id)
-        train_s = time.perf_counter() - t_train
-        state.step += 1
-        state.version += 1
-        state.pending_leases = pulled.lease_ids
-
-        t_pub = time.perf_counter()
-        stopping = broadcast_object(stop.requested)  # rank 0 decides, so no rank waits alone in a collective
-        adapter = ckpt.save_adapter(engine, out, state.version) if lead else None
-        if state.step % cfg.learner.checkpoint_every == 0 or stopping or state.step == cfg.learner.steps:
-            ckpt.save(engine, out, state, rank)  # before the ack: a crash in between never loses groups
-        if lead:
-            ckpt.record_groups(out, state.step, pulled.groups)
-        health = None
-        if client is not None:
-            try:
-                for lease_id in pulled.lease_ids:
-                    ack(client, lease_id)
-                ckpt.write_inflight(out, [])
-                client.publish(state.version, adapter)
-                if cfg.learner.placement == "timeslice":
-                    client.wake()
-                health = client.health()
-                state.pending_leases = []
-            except Interrupted:
-                log(f"stopping with step {state.step} not yet acked/published; --resume will do it")
-                interrupted = True
-        else:
-            state.pending_leases = []
-
-        metrics |= batch_metrics(pulled, state.version - 1)
-        metrics |= {
-            "policy/version": float(state.version),
-            "perf/train_s": train_s,
-            "perf/publish_s": time.perf_counter() - t_pub,
-            "perf/step_s": time.perf_counter() - t_step,
-            "server/queue_depth": float(health.queue_depth) if health else 0.0,
-        }
-        sink.write(state.step, metrics)
-        if stopping:
-            break
+    try:
+        _loop(_Run(cfg, engine, client, out, sink, stop, rank, world, pad_id, log), state)
+    except BaseException:
+        if client is not None:  # whatever stopped us, the server must not stay asleep waiting for a wake
+            client.retry_s = 0.0
+            with contextlib.suppress(ServerError, Interrupted):
+                client.wake()
+        raise
 
     sink.close()
     optimizer_numel = gather_objects(optimizer_state_numel(engine))
@@ -324,7 +412,8 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
             "base_sha256_start": digest_start, "base_sha256_end": ckpt.base_digest(engine),
             "optimizer_state_numel_per_rank": optimizer_numel,
         }  # fmt: skip
-        (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        with ckpt.writing(out, "run_summary.json"):
+            (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     log(
         f"done at step {state.step}; server serves v{state.version}"
         + (" (stopped by signal)" if stop.requested else "")

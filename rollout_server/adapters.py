@@ -2,9 +2,11 @@
 
 An adapter is a folder with `adapter_config.json` and `adapter_model.safetensors` (peft's format). It is
 refused (AdapterRejected -> HTTP 4xx) when a file is missing, over the size limit, not JSON / not
-safetensors, of a rank above the server's max, or aimed at modules the base model does not have.
-Accepted adapters are kept under `<state_dir>/adapters/v<N>/`, so a restarted server serves the latest
-version again without the learner.
+safetensors, of a rank above the server's max, aimed at modules the base model does not have, shaped
+unlike those modules, missing the A or B half of a pair, or holding a non-finite value (a NaN adapter
+makes the sampler fail at its first token). The same checks run on every stored adapter a restarted
+server considers. Accepted adapters are kept under `<state_dir>/adapters/v<N>/`, so a restarted server
+serves the latest version again without the learner.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import re
 import shutil
 import struct
 from pathlib import Path
+
+from shared.protocol import MAX_VERSION
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -27,19 +31,24 @@ class AdapterRejected(ValueError):
         self.status = status
 
 
-def linear_module_names(model_path: str) -> frozenset[str]:
-    """Short names of the 2-D weights inside the decoder layers (q_proj, ...), read from the model's
-    safetensors headers; the standard set when the model is a hub id not yet on disk."""
-    names = set()
+def linear_modules(model_path: str) -> dict[str, tuple[int, int]]:
+    """Every 2-D weight inside the decoder layers: module path ('model.layers.0.self_attn.q_proj') ->
+    (out_features, in_features), read from the model's safetensors headers; empty when the model is a
+    hub id not yet on disk."""
+    shapes = {}
     for f in Path(model_path).glob("*.safetensors"):
         with f.open("rb") as fh:  # only the header: the tensors can be gigabytes
             prefix = fh.read(8)
             head = prefix + fh.read(struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else 0)
         for key, meta in safetensors_header(head, str(f)).items():
-            m = re.search(r"\.layers\.\d+\.(?:[\w.]+\.)?(\w+)\.weight$", key)
-            if m and len(meta["shape"]) == 2:
-                names.add(m.group(1))
-    return frozenset(names) or STANDARD_TARGETS
+            if re.search(r"\.layers\.\d+\..+\.weight$", key) and len(meta["shape"]) == 2:
+                shapes[key.removesuffix(".weight")] = tuple(meta["shape"])
+    return shapes
+
+
+def linear_module_names(model_path: str) -> frozenset[str]:
+    """Short names of those weights (q_proj, ...); the standard set when the model is not on disk."""
+    return frozenset(m.rsplit(".", 1)[-1] for m in linear_modules(model_path)) or STANDARD_TARGETS
 
 
 def safetensors_header(data: bytes, what: str = WEIGHTS) -> dict[str, dict]:
@@ -69,9 +78,15 @@ def safetensors_header(data: bytes, what: str = WEIGHTS) -> dict[str, dict]:
 
 
 def validate_adapter(
-    config_bytes: bytes, weights_bytes: bytes, *, max_rank: int, allowed_targets: frozenset[str]
+    config_bytes: bytes,
+    weights_bytes: bytes,
+    *,
+    max_rank: int,
+    allowed_targets: frozenset[str],
+    shapes: dict[str, tuple[int, int]] | None = None,
 ) -> dict:
-    """Check an adapter's two files; returns the parsed adapter_config.json."""
+    """Check an adapter's two files; returns the parsed adapter_config.json. `shapes` (linear_modules of
+    the served model) also checks that every tensor belongs to one of its modules, with its shape."""
     try:
         config = json.loads(config_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -98,19 +113,63 @@ def validate_adapter(
     tensors = safetensors_header(weights_bytes)
     if not tensors:
         raise AdapterRejected(f"{WEIGHTS}: holds no tensors")
+    halves: dict[str, set[str]] = {}
     for key, meta in tensors.items():
-        module = re.search(r"\.(\w+)\.lora_[AB]", key)
-        if module is None:
+        m = re.fullmatch(r"(?:base_model\.model\.)?((?:[\w.]+\.)?(\w+))\.lora_([AB])(?:\.weight)?", key)
+        if m is None:
             raise AdapterRejected(f"{WEIGHTS}: tensor '{key}' is not a LoRA A/B matrix")
-        if module.group(1) not in targets:
-            raise AdapterRejected(
-                f"{WEIGHTS}: tensor '{key}' targets '{module.group(1)}', not in target_modules"
-            )
+        module, short, half = m.groups()
+        if short not in targets:
+            raise AdapterRejected(f"{WEIGHTS}: tensor '{key}' targets '{short}', not in target_modules")
+        if meta.get("dtype") not in _FLOAT_DTYPES:
+            raise AdapterRejected(f"{WEIGHTS}: tensor '{key}' has dtype {meta.get('dtype')!r}, not a float")
         shape = meta["shape"]
-        rank_dim = shape[0] if ".lora_A" in key else shape[-1]
+        rank_dim = shape[0] if half == "A" else shape[-1]
         if len(shape) != 2 or rank_dim != r:
             raise AdapterRejected(f"{WEIGHTS}: tensor '{key}' has shape {shape}, inconsistent with r={r}")
+        if shapes:
+            if module not in shapes:
+                raise AdapterRejected(f"{WEIGHTS}: tensor '{key}': the served model has no module '{module}'")
+            out_f, in_f = shapes[module]
+            want = [r, in_f] if half == "A" else [out_f, r]
+            if shape != want:
+                raise AdapterRejected(
+                    f"{WEIGHTS}: tensor '{key}' has shape {shape}; '{module}' is {out_f}x{in_f}, so "
+                    f"lora_{half} must be {want}"
+                )
+        halves.setdefault(module, set()).add(half)
+    lone = sorted(m for m, h in halves.items() if h != {"A", "B"})
+    if lone:
+        raise AdapterRejected(f"{WEIGHTS}: module '{lone[0]}' has only one of lora_A / lora_B")
+    _check_values(weights_bytes)
     return config
+
+
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+
+
+def _check_values(weights_bytes: bytes) -> None:
+    """Every value finite. Reads the tensors (a few MB for LoRA), so it runs after the cheap checks."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        tensors = load(weights_bytes)
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise AdapterRejected(f"{WEIGHTS}: unreadable tensor data ({e})") from None
+    for key, t in tensors.items():
+        if not t.isfinite().all():
+            bad = int((~t.isfinite()).sum())
+            raise AdapterRejected(f"{WEIGHTS}: tensor '{key}' holds {bad} non-finite value(s) (NaN/inf)")
+
+
+def validate_folder(folder: Path, **checks) -> dict:
+    """validate_adapter on a stored adapter folder (restore at start-up)."""
+    try:
+        config, weights = (folder / CONFIG).read_bytes(), (folder / WEIGHTS).read_bytes()
+    except OSError as e:
+        raise AdapterRejected(f"{folder}: {e.strerror or e}") from None
+    return validate_adapter(config, weights, **checks)
 
 
 class AdapterStore:
@@ -125,9 +184,11 @@ class AdapterStore:
 
     def versions(self) -> list[int]:
         found = [
-            int(p.name[1:]) for p in self.root.glob("v*") if p.name[1:].isdigit() and (p / WEIGHTS).is_file()
+            int(p.name[1:])
+            for p in self.root.glob("v*")
+            if p.name[1:].isdigit() and len(p.name) <= 11 and (p / WEIGHTS).is_file()
         ]
-        return sorted(found)
+        return sorted(v for v in found if v <= MAX_VERSION)
 
     def write(self, version: int, config_bytes: bytes, weights_bytes: bytes) -> Path:
         final = self.path(version)

@@ -2,12 +2,16 @@
 
 Every POST mutates or spends engine time and so requires `Authorization: Bearer <token>` when a token
 is configured (environment variable named by `server.api_token_env`); GET /health and /metrics are open.
+The token and the body's size are checked before the body is read (rollout_server/guard.py).
+
+If the producer dies (an engine failure), /health answers 503 and the server shuts down and exits 1, so
+a supervisor (Compose, SLURM, systemd) restarts it; it restores its newest valid adapter on the way up.
+SIGTERM cancels evaluation requests in flight (503) and stops within server.shutdown_s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -20,17 +24,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout_server.adapters import (
     CONFIG,
+    STANDARD_TARGETS,
     WEIGHTS,
     AdapterRejected,
     AdapterStore,
-    linear_module_names,
+    linear_modules,
     resolve_under,
     validate_adapter,
+    validate_folder,
 )
 from rollout_server.backend import RolloutBackend
+from rollout_server.guard import RequestGuard
 from rollout_server.metrics import ServerMetrics
 from rollout_server.policy import Policy
-from rollout_server.producer import EventLog, Producer
+from rollout_server.producer import EventLog, Producer, StateError, load_cursor
 from rollout_server.queue import LeaseError, LeaseQueue
 from shared import protocol as P
 from shared.config import TandemConfig
@@ -50,20 +57,46 @@ class Server:
         state_dir = Path(cfg.server.state_dir)
         state_dir.mkdir(parents=True, exist_ok=True)
         self.store = AdapterStore(state_dir / "adapters")
-        self.policy = Policy(backend, self.store)
+        shapes = linear_modules(model_path)
+        self.adapter_checks = {
+            "max_rank": cfg.server.max_lora_rank,
+            "allowed_targets": frozenset(m.rsplit(".", 1)[-1] for m in shapes) or STANDARD_TARGETS,
+            "shapes": shapes,
+        }
+        self.policy = Policy(backend, self.store, lambda f: validate_folder(f, **self.adapter_checks))
         self.queue = LeaseQueue(cfg.server.queue_size, cfg.server.lease_s)
         self.metrics = ServerMetrics(self)
         self.events = EventLog(state_dir / "events.jsonl")
         self.producer = Producer(
             cfg, backend, self.queue, self.policy, problems, state_dir, self.events, self.metrics
         )
-        self.allowed_targets = linear_module_names(model_path)
         self.failure: str | None = None  # set when the producer dies: /health turns 503
+        self.evaluations: set[asyncio.Task] = set()  # /v1/generate work in flight
+        self.shutting_down = False
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: evaluation requests end now (503) rather than hold the shutdown for minutes."""
+        self.shutting_down = True
+        for task in self.evaluations:
+            task.cancel()
+
+
+def body_limit(cfg: TandemConfig) -> Callable[[str], int]:
+    """Bytes a POST body may carry: an adapter upload its two files and the form around them, any
+    other request server.max_request_mb."""
+    upload = int(cfg.server.max_adapter_mb * 2**20) + 2**21
+    other = int(cfg.server.max_request_mb * 2**20)
+    return lambda path: upload if path == "/v1/adapters" else other
 
 
 def create_app(
-    cfg: TandemConfig, problems: list[Problem], model_path: str, backend_factory: BackendFactory
+    cfg: TandemConfig,
+    problems: list[Problem],
+    model_path: str,
+    backend_factory: BackendFactory,
+    on_fatal: Callable[[], None] = lambda: None,
 ) -> FastAPI:
+    """`on_fatal` is called once the producer has died: serve() makes the process exit 1 then."""
     token = os.environ.get(cfg.server.api_token_env) or None
 
     @asynccontextmanager
@@ -71,13 +104,15 @@ def create_app(
         log.info("starting %s backend for %s", cfg.server.backend, model_path)
         server = Server(cfg, await backend_factory(), problems, model_path)
         await server.policy.restore()
+        app.state.loop = asyncio.get_running_loop()
         app.state.server = server
         task = asyncio.create_task(server.producer.run())
 
         def on_done(t: asyncio.Task) -> None:
             if not t.cancelled() and t.exception() is not None:
                 server.failure = f"producer stopped: {t.exception()!r}"
-                log.error("%s", server.failure, exc_info=t.exception())
+                log.error("%s; exiting 1 to be restarted", server.failure, exc_info=t.exception())
+                on_fatal()
 
         task.add_done_callback(on_done)
         log.info(
@@ -89,20 +124,10 @@ def create_app(
         await server.backend.close()
 
     app = FastAPI(title="tandem rollout server", version=P.PROTOCOL_VERSION, lifespan=lifespan)
+    app.add_middleware(RequestGuard, token=token, limit_for=body_limit(cfg))
 
     def srv(request: Request) -> Server:
         return request.app.state.server
-
-    def auth(request: Request) -> None:
-        if token is None:
-            return
-        header = request.headers.get("authorization", "")
-        if not header.lower().startswith("bearer "):
-            raise HTTPException(
-                401, "missing 'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"}
-            )
-        if not hmac.compare_digest(header[7:].strip().encode(), token.encode()):
-            raise HTTPException(403, "wrong bearer token")
 
     @app.exception_handler(AdapterRejected)
     async def _rejected(request: Request, exc: AdapterRejected):
@@ -130,7 +155,7 @@ def create_app(
     async def metrics(s: Server = Depends(srv)):
         return PlainTextResponse(s.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/groups/pull", response_model=P.PullResponse, dependencies=[Depends(auth)])
+    @app.post("/v1/groups/pull", response_model=P.PullResponse)
     async def pull(req: P.PullRequest, s: Server = Depends(srv)):
         # Asleep with nothing queued, no group can come before a wake: answer now rather than hold the
         # connection for wait_s.
@@ -140,13 +165,13 @@ def create_app(
             s.events.write("lease", lease_id=lease_id, group_ids=[g.group_id for g in groups])
         return P.PullResponse(lease_id=lease_id, lease_s=s.queue.lease_s if lease_id else 0.0, groups=groups)
 
-    @app.post("/v1/groups/ack", response_model=P.AckResponse, dependencies=[Depends(auth)])
+    @app.post("/v1/groups/ack", response_model=P.AckResponse)
     async def ack(req: P.AckRequest, s: Server = Depends(srv)):
         acked = await s.queue.ack(req.lease_id)
         s.events.write("ack", lease_id=req.lease_id, acked=acked)
         return P.AckResponse(acked=acked)
 
-    @app.post("/v1/groups/release", response_model=P.ReleaseResponse, dependencies=[Depends(auth)])
+    @app.post("/v1/groups/release", response_model=P.ReleaseResponse)
     async def release(req: P.ReleaseRequest, s: Server = Depends(srv)):
         released = await s.queue.release(req.lease_id)
         s.events.write("release", lease_id=req.lease_id, released=released)
@@ -161,16 +186,14 @@ def create_app(
     async def _publish(
         s: Server, version: int, config_bytes: bytes, weights_bytes: bytes
     ) -> P.AdapterPublished:
-        validate_adapter(
-            config_bytes, weights_bytes, max_rank=cfg.server.max_lora_rank, allowed_targets=s.allowed_targets
-        )
+        validate_adapter(config_bytes, weights_bytes, **s.adapter_checks)
         adapter = await s.policy.publish(version, lambda v: s.store.write(v, config_bytes, weights_bytes))
         s.events.write("publish", version=version)
         return P.AdapterPublished(version=adapter.version, name=adapter.name)
 
-    @app.post("/v1/adapters", response_model=P.AdapterPublished, dependencies=[Depends(auth)])
+    @app.post("/v1/adapters", response_model=P.AdapterPublished)
     async def publish_upload(
-        version: int = Form(ge=1),
+        version: int = Form(ge=1, le=P.MAX_VERSION),
         adapter_config: UploadFile = File(description=CONFIG),
         adapter_model: UploadFile = File(description=WEIGHTS),
         s: Server = Depends(srv),
@@ -180,7 +203,7 @@ def create_app(
             s, version, await _read(adapter_config, 2**20), await _read(adapter_model, limit)
         )
 
-    @app.post("/v1/adapters/path", response_model=P.AdapterPublished, dependencies=[Depends(auth)])
+    @app.post("/v1/adapters/path", response_model=P.AdapterPublished)
     async def publish_path(req: P.AdapterPathRequest, s: Server = Depends(srv)):
         folder = resolve_under(cfg.server.adapter_root, req.path)
         files = {}
@@ -193,13 +216,13 @@ def create_app(
             files[name] = f.read_bytes()
         return await _publish(s, req.version, files[CONFIG], files[WEIGHTS])
 
-    @app.post("/v1/sleep", response_model=P.SleepState, dependencies=[Depends(auth)])
+    @app.post("/v1/sleep", response_model=P.SleepState)
     async def sleep(s: Server = Depends(srv)):
         if not s.producer.sleeping:
             await s.producer.sleep()
         return P.SleepState(sleeping=True)
 
-    @app.post("/v1/wake", response_model=P.SleepState, dependencies=[Depends(auth)])
+    @app.post("/v1/wake", response_model=P.SleepState)
     async def wake(s: Server = Depends(srv)):
         if s.producer.sleeping:
             await s.producer.wake()
@@ -209,7 +232,7 @@ def create_app(
         if s.producer.sleeping:
             raise HTTPException(409, "the server is asleep; POST /v1/wake first")
 
-    @app.post("/v1/generate", response_model=P.GenerateResponse, dependencies=[Depends(auth)])
+    @app.post("/v1/generate", response_model=P.GenerateResponse)
     async def generate(req: P.GenerateRequest, s: Server = Depends(srv)):
         _check_awake(s)
         if len(req.prompts) * req.n > cfg.server.max_generate_sequences:
@@ -226,9 +249,9 @@ def create_app(
                 422, f"a prompt leaves no room within model.max_model_len={cfg.model.max_model_len}"
             )
         max_tokens = min(req.max_tokens or cfg.sampling.max_new_tokens, room)
-        samples = await s.backend.generate(
-            prompts, n=req.n, temperature=req.temperature, max_tokens=max_tokens, adapter=adapter
-        )
+        chunk = cfg.server.prompts_per_batch * cfg.sampling.group_size
+        work = _generate_in_chunks(s.backend, prompts, req.n, req.temperature, max_tokens, adapter, chunk)
+        samples = await _bounded(s, work, cfg.server.generate_timeout_s)
         outputs = [
             [P.GeneratedText(text=x.text, token_ids=x.token_ids, finish_reason=x.finish_reason) for x in row]
             for row in samples
@@ -237,7 +260,7 @@ def create_app(
             version=adapter.version if adapter else 0, prompt_token_ids=prompts, outputs=outputs
         )
 
-    @app.post("/v1/score", response_model=P.ScoreResponse, dependencies=[Depends(auth)])
+    @app.post("/v1/score", response_model=P.ScoreResponse)
     async def score(req: P.ScoreRequest, s: Server = Depends(srv)):
         _check_awake(s)
         ids = req.prompt_token_ids + req.completion_token_ids
@@ -257,6 +280,43 @@ def create_app(
     return app
 
 
+async def _generate_in_chunks(backend, prompts, n, temperature, max_tokens, adapter, chunk: int):
+    """The backend called with at most `chunk` sequences at a time (the size of a production batch):
+    one request's memory stays that of a batch, and a cancellation takes effect between chunks."""
+    rows: list[list] = [[] for _ in prompts]
+    per_call = max(1, chunk // n)  # whole prompts per call when n fits a chunk
+    for i in range(0, len(prompts), per_call):
+        part = prompts[i : i + per_call]
+        for done in range(0, n, chunk):  # n beyond a chunk: the same prompt in several calls
+            k = min(chunk, n - done)
+            out = await backend.generate(
+                part, n=k, temperature=temperature, max_tokens=max_tokens, adapter=adapter, logprobs=False
+            )
+            for j, samples in enumerate(out):
+                rows[i + j].extend(samples)
+    return rows
+
+
+async def _bounded(s: Server, work, timeout_s: float):
+    """Run an evaluation request's work as a task SIGTERM can cancel, for at most timeout_s."""
+    task = asyncio.ensure_future(work)
+    s.evaluations.add(task)
+    try:
+        return await asyncio.wait_for(task, timeout_s)
+    except TimeoutError:
+        raise HTTPException(
+            504,
+            f"generation ran past server.generate_timeout_s={timeout_s:g}; ask for fewer prompts, a "
+            "smaller n or max_tokens",
+        ) from None
+    except asyncio.CancelledError:
+        if s.shutting_down:
+            raise HTTPException(503, "the server is shutting down") from None
+        raise
+    finally:
+        s.evaluations.discard(task)
+
+
 def serve(cfg: TandemConfig) -> int:
     import uvicorn
 
@@ -268,17 +328,37 @@ def serve(cfg: TandemConfig) -> int:
     try:
         model_path = resolve_model(cfg.model.name)
         problems = load_problems(cfg.data)
-    except (ModelError, DatasetError) as e:
+        load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))  # before the engine starts
+    except (ModelError, DatasetError, StateError) as e:
         print(f"error: {e}", flush=True)
         return 2
     log.info("%d %s problems (%s split)", len(problems), cfg.data.task, cfg.data.split)
-    app = create_app(cfg, problems, model_path, lambda: make_backend(cfg, model_path))
+    fatal = []
+
+    class Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            if hasattr(app.state, "server"):  # runs on the loop's (main) thread, between callbacks
+                app.state.loop.call_soon_threadsafe(app.state.server.begin_shutdown)
+
+    def on_fatal():
+        fatal.append(1)
+        server.should_exit = True
+
+    app = create_app(cfg, problems, model_path, lambda: make_backend(cfg, model_path), on_fatal)
+    server = Uvicorn(
+        uvicorn.Config(
+            app,
+            host=cfg.server.host,
+            port=cfg.server.port,
+            log_level="info",
+            timeout_graceful_shutdown=cfg.server.shutdown_s,
+        )
+    )
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler that
     # was installed before it started; with the default one the process would die by the signal (exit
     # 143) after a clean shutdown. A handler that does nothing lets serve() return 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
-    uvicorn.run(
-        app, host=cfg.server.host, port=cfg.server.port, log_level="info", timeout_graceful_shutdown=10
-    )
-    return 0
+    server.run()
+    return 1 if fatal else 0

@@ -47,8 +47,10 @@ class RolloutBackend(Protocol):
         temperature: float,
         max_tokens: int,
         adapter: Adapter | None,
+        logprobs: bool = True,
     ) -> list[list[Sample]]:
-        """[len(prompts)][n] samples. temperature > 0 samples with top_p=1, top_k=off; 0 is greedy."""
+        """[len(prompts)][n] samples. temperature > 0 samples with top_p=1, top_k=off; 0 is greedy.
+        logprobs=False (evaluation) leaves Sample.logprobs empty and spares the engine keeping them."""
         ...
 
     async def score(self, prompt: list[int], completion: list[int], adapter: Adapter | None) -> list[float]:

@@ -71,7 +71,7 @@ class HFBackend:
         self.model.set_adapter(adapter.name)
         return nullcontext()
 
-    def _generate(self, prompts, n, temperature, max_tokens, adapter, cancelled: threading.Event):
+    def _generate(self, prompts, n, temperature, max_tokens, adapter, cancelled: threading.Event, logprobs):
         from transformers import StoppingCriteria, StoppingCriteriaList
 
         class Cancelled(StoppingCriteria):
@@ -81,6 +81,8 @@ class HFBackend:
             def __call__(self, input_ids, scores, **kwargs):
                 return torch.full((input_ids.shape[0],), cancelled.is_set(), dtype=torch.bool)
 
+        if cancelled.is_set():  # cancelled while this thread waited for the lock: nobody wants the result
+            return []
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
         width = max(len(p) for p in prompts)
@@ -88,6 +90,7 @@ class HFBackend:
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=self.device)
         attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.device)
         sample = temperature > 0
+        keep_logits = sample and logprobs  # [R, S, V] floats: GBs for a large evaluation request
         with self._select(adapter):
             out = self.model.generate(
                 input_ids=input_ids,
@@ -100,27 +103,29 @@ class HFBackend:
                 pad_token_id=pad,
                 eos_token_id=eos,
                 stopping_criteria=StoppingCriteriaList([Cancelled()]),
-                output_logits=sample,
+                output_logits=keep_logits,
                 return_dict_in_generate=True,
             )
         new = out.sequences[:, width:]  # [R, S]
-        if sample:
+        if keep_logits:
             logits = torch.stack(out.logits, dim=1).float() / temperature  # [R, S, V]
-            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None]).squeeze(-1)  # [R, S]
+            token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None]).squeeze(-1)
         samples = []
         for r in range(len(rows)):
             ids = new[r].tolist()
             stop = ids.index(eos) + 1 if eos in ids else None
             ids = ids[:stop] if stop else ids
-            lps = logprobs[r, : len(ids)].tolist() if sample else []
+            lps = token_logprobs[r, : len(ids)].tolist() if keep_logits else []
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             samples.append(Sample(ids, lps, text, "stop" if stop else "length"))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    async def generate(self, prompts, *, n, temperature, max_tokens, adapter):
+    async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True):
         cancelled = threading.Event()
         try:
-            return await self._run(self._generate, prompts, n, temperature, max_tokens, adapter, cancelled)
+            return await self._run(
+                self._generate, prompts, n, temperature, max_tokens, adapter, cancelled, logprobs
+            )
         except asyncio.CancelledError:
             cancelled.set()
             raise

@@ -18,9 +18,10 @@ log = logging.getLogger("tandem.server")
 
 
 class Policy:
-    def __init__(self, backend: RolloutBackend, store: AdapterStore):
+    def __init__(self, backend: RolloutBackend, store: AdapterStore, check=lambda folder: None):
         self.backend = backend
         self.store = store
+        self._check = check  # folder -> None, or AdapterRejected: the upload checks, for stored versions
         self.served: Adapter | None = None  # None = the base model, version 0
         self._inflight: Counter[int] = Counter()
         self._retired: set[int] = set()  # replaced versions still loaded
@@ -65,9 +66,10 @@ class Policy:
         for version in reversed(self.store.versions()):
             adapter = Adapter(version, str(self.store.path(version)))
             try:
+                self._check(self.store.path(version))
                 await self.backend.load_adapter(adapter)
-            except AdapterLoadError as e:
-                log.error("stored adapter v%d does not load (%s); trying an older one", version, e)
+            except (AdapterRejected, AdapterLoadError) as e:
+                log.error("stored adapter v%d is refused (%s); trying an older one", version, e)
                 continue
             self.served = adapter
             log.info("restored %s from %s", adapter.name, adapter.path)

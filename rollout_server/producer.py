@@ -34,6 +34,35 @@ class Cursor:
     position: int = 0
 
 
+class StateError(RuntimeError):
+    """A file in server.state_dir is damaged; the message names it and says what to do."""
+
+
+def load_cursor(path: Path, num_problems: int) -> Cursor:
+    """The saved prompt cursor, checked: a fresh one when there is none, or when the dataset changed."""
+    if not path.is_file():
+        return Cursor()
+    fix = "delete it to start the prompt order over at epoch 0 (prompts already used come round again)"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StateError(f"{path} is not readable JSON ({type(e).__name__}): {fix}") from None
+    if not isinstance(saved, dict):
+        raise StateError(f"{path} must hold a JSON object, not {type(saved).__name__}: {fix}")
+    epoch, position, size = saved.get("epoch"), saved.get("position"), saved.get("num_problems")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, position, size)):
+        raise StateError(f"{path} lacks integer epoch, position and num_problems: {fix}")
+    if size != num_problems:
+        log.warning("dataset changed since the saved cursor (%s); starting at epoch 0", path)
+        return Cursor()
+    if not (0 <= epoch < 2**31 and 0 <= position < num_problems):
+        raise StateError(
+            f"{path}: epoch {epoch}, position {position} is outside 0 <= position < {num_problems} "
+            f"problems: {fix}"
+        )
+    return Cursor(epoch, position)
+
+
 class EventLog:
     """Append-only JSONL of what the server did and when (groups, sleep, wake, publish)."""
 
@@ -65,7 +94,7 @@ class Producer:
         self.events = events
         self.metrics = metrics
         self._cursor_file = state_dir / "cursor.json"
-        self.cursor = self._load_cursor()
+        self.cursor = load_cursor(self._cursor_file, len(problems))
         self._awake = asyncio.Event()
         self._awake.set()
         self._batch: asyncio.Task | None = None
@@ -75,14 +104,6 @@ class Producer:
         self.exclusive = asyncio.Lock()
 
     # -- cursor --------------------------------------------------------------------------------------
-    def _load_cursor(self) -> Cursor:
-        if self._cursor_file.is_file():
-            saved = json.loads(self._cursor_file.read_text())
-            if saved.get("num_problems") == len(self.problems):
-                return Cursor(saved["epoch"], saved["position"])
-            log.warning("dataset changed since the saved cursor (%s); starting at epoch 0", self._cursor_file)
-        return Cursor()
-
     def _save_cursor(self) -> None:
         tmp = self._cursor_file.with_suffix(".tmp")
         c = self.cursor

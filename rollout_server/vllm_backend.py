@@ -75,6 +75,7 @@ class VllmBackend:
         temperature: float,
         max_tokens: int,
         adapter: Adapter | None,
+        logprobs: bool = True,
     ) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -85,7 +86,7 @@ class VllmBackend:
             top_p=1.0,
             top_k=-1,
             max_tokens=max_tokens,
-            logprobs=0 if temperature > 0 else None,  # 0 = just the sampled token's
+            logprobs=0 if temperature > 0 and logprobs else None,  # 0 = just the sampled token's
             # A default (streamed) request's last output held only 3 of 4 completions for n > 1.
             output_kind=RequestOutputKind.FINAL_ONLY,
         )

@@ -88,6 +88,18 @@ class ServerConfig(_Section):
     max_generate_sequences: int = Field(
         default=1024, ge=1, description="cap on prompts x n of one /v1/generate request"
     )
+    generate_timeout_s: float = Field(
+        default=600.0, gt=0, le=86400, description="a /v1/generate request running longer gets 504"
+    )
+    max_request_mb: float = Field(
+        default=16.0, gt=0, description="largest body of a POST other than an adapter upload (413 above)"
+    )
+    shutdown_s: int = Field(
+        default=10,
+        ge=1,
+        le=600,
+        description="on SIGTERM: evaluation requests are cancelled at once, other requests get this long",
+    )
     max_loras: int = Field(default=2, ge=1, description=">= max_staleness + 1 in split mode")
     hf_merge_adapters: bool = Field(
         default=False,
@@ -151,7 +163,15 @@ class LearnerConfig(_Section):
     logprob_chunk_size: int = Field(default=256, ge=1, description="tokens per log-softmax chunk")
     gradient_checkpointing: bool = False
     out_dir: str = "runs/learner"
-    checkpoint_every: int = Field(default=10, ge=1)
+    checkpoint_every: int = Field(
+        default=10,
+        ge=1,
+        description="a checkpoint is written after every step (before its groups are acked, so a resume "
+        "never loses or repeats a group); every checkpoint_every-th one is kept for good",
+    )
+    keep_checkpoints: int = Field(
+        default=2, ge=1, description="the newest checkpoints kept besides the checkpoint_every-th ones"
+    )
     min_free_mb: float = Field(
         default=200.0, ge=0, description="refuse to start when learner.out_dir has less free space"
     )

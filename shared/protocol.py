@@ -15,7 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PROTOCOL_VERSION = "1"
 
-Version = Annotated[int, Field(ge=0, description="policy (adapter) version; 0 is the base model")]
+MAX_VERSION = 2**31 - 1  # versions are engine adapter ids (int32 in vLLM) and file names
+Version = Annotated[
+    int, Field(ge=0, le=MAX_VERSION, description="policy (adapter) version; 0 is the base model")
+]
 TokenId = Annotated[int, Field(ge=0)]
 
 

@@ -48,3 +48,11 @@ def test_staleness():
     assert not is_stale(_group([1, 0], version=3), version=3, max_staleness=0)
     assert is_stale(_group([1, 0], version=2), version=3, max_staleness=0)
     assert not is_stale(_group([1, 0], version=1), version=3, max_staleness=2)
+
+
+def test_groups_from_outside_this_runs_lineage_are_stale():
+    # A version the learner has not reached (another run's server): never trained on.
+    assert is_stale(_group([1, 0], version=5), version=3, max_staleness=2)
+    # After a resume re-published its weights as v8 (floor 8), v7's groups came from other weights.
+    assert is_stale(_group([1, 0], version=7), version=8, max_staleness=2, floor_version=8)
+    assert not is_stale(_group([1, 0], version=8), version=8, max_staleness=0, floor_version=8)

@@ -11,17 +11,18 @@ from rollout_server.adapters import (
     AdapterStore,
     resolve_under,
     validate_adapter,
+    validate_folder,
 )
 
 
-def _safetensors(tensors: dict[str, list[int]]) -> bytes:
+def _safetensors(tensors: dict[str, list[int]], fill: float = 0.0, dtype: str = "F32") -> bytes:
     header, offset = {}, 0
     for name, shape in tensors.items():
         n = 4 * shape[0] * shape[1]
-        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header).encode()
-    return struct.pack("<Q", len(blob)) + blob + b"\0" * offset
+    return struct.pack("<Q", len(blob)) + blob + struct.pack("<f", fill) * (offset // 4)
 
 
 CONFIG = json.dumps({"peft_type": "LORA", "r": 8, "target_modules": ["q_proj"]}).encode()
@@ -98,3 +99,56 @@ def test_store_writes_atomically_and_lists_versions(tmp_path):
     assert store.versions() == [1, 2]
     store.remove(2)
     assert store.versions() == [1]
+
+
+# The served model's q_proj of layer 0 (SmolLM2-135M: 576 x 576), as linear_modules reads it.
+SHAPES = {"model.layers.0.self_attn.q_proj": (576, 576)}
+A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+def check_content(weights):
+    return validate_adapter(CONFIG, weights, max_rank=16, allowed_targets=STANDARD_TARGETS, shapes=SHAPES)
+
+
+def test_a_good_adapter_passes_the_content_checks():
+    assert check_content(WEIGHTS)["r"] == 8
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        # All-NaN B: the adapter that made the sampler fail at its first token.
+        (_safetensors({A: [8, 576], B: [576, 8]}, fill=float("nan")), "holds 4608 non-finite value"),
+        (_safetensors({A: [8, 576], B: [576, 8]}, fill=float("inf")), "non-finite"),
+        (_safetensors({A: [8, 576], B: [576, 8]}, dtype="I32"), "not a float"),
+        (_safetensors({A: [8, 576]}), "has only one of lora_A / lora_B"),
+        (_safetensors({A: [8, 999], B: [576, 8]}), r"lora_A must be \[8, 576\]"),
+        (_safetensors({A: [8, 576], B: [100, 8]}), r"lora_B must be \[576, 8\]"),
+        (
+            _safetensors({A.replace(".0.", ".99."): [8, 576], B.replace(".0.", ".99."): [576, 8]}),
+            "the served model has no module 'model.layers.99.self_attn.q_proj'",
+        ),
+    ],
+)  # fmt: skip
+def test_an_adapter_is_refused_for_what_it_holds(weights, message):
+    with pytest.raises(AdapterRejected, match=message):
+        check_content(weights)
+
+
+def test_validate_folder_reads_a_stored_adapter(tmp_path):
+    store = AdapterStore(tmp_path / "adapters")
+    folder = store.write(1, CONFIG, _safetensors({A: [8, 576], B: [576, 8]}, fill=float("nan")))
+    checks = {"max_rank": 16, "allowed_targets": STANDARD_TARGETS, "shapes": SHAPES}
+    with pytest.raises(AdapterRejected, match="non-finite"):
+        validate_folder(folder, **checks)
+    (folder / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterRejected, match="No such file"):
+        validate_folder(folder, **checks)
+
+
+def test_store_ignores_versions_beyond_the_protocols_bound(tmp_path):
+    store = AdapterStore(tmp_path / "adapters")
+    store.write(3, CONFIG, WEIGHTS)
+    store.write(2**31, CONFIG, WEIGHTS)  # a planted name no publish could have made
+    assert store.versions() == [3]
