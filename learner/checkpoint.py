@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from learner.client import RolloutClient, ServerError
 from learner.engine import barrier, load_checkpoint, save_checkpoint
@@ -79,10 +80,11 @@ def check_out_dir(out: Path, resume: bool, min_free_mb: float = 200.0) -> None:
 @contextlib.contextmanager
 def writing(out: Path, what: str):
     """Turn a failed write under out_dir into one OutDirError line. torch.save reports a full disk as a
-    RuntimeError ("[enforce fail at inline_container.cc] . unexpected pos"), hence both types."""
+    RuntimeError ("[enforce fail at inline_container.cc] . unexpected pos"), safetensors (the adapter)
+    as a SafetensorError ("I/O error: No space left on device"), hence the three types."""
     try:
         yield
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, SafetensorError) as e:
         if isinstance(e, OSError) and e.strerror:
             reason = e.strerror
         else:

@@ -286,8 +286,9 @@ def _loop(run: _Run, state: ckpt.State) -> None:
     )  # fmt: skip
     pad_id, stop, sink = run.pad_id, run.stop, run.sink
     replay = cfg.learner.replay_file
+    handoff = {"seconds": 0.0, "queue_depth": 0.0}  # the previous step's ack + publish + wake
+    t_step = time.perf_counter()
     while state.step < cfg.learner.steps:
-        t_step = time.perf_counter()
         if replay:
             groups = ckpt.replay_groups(replay, state.step + 1)
             pulled = Pulled(groups, [], seen=len(groups), degenerate=sum(map(is_degenerate, groups)))
@@ -310,15 +311,28 @@ def _loop(run: _Run, state: ckpt.State) -> None:
         state.version += 1
         state.pending_leases = pulled.lease_ids
 
-        t_pub = time.perf_counter()
+        t_save = time.perf_counter()
         stopping = broadcast_object(stop.requested)  # rank 0 decides, so no rank waits alone in a collective
         adapter, error = _persist(engine, cfg, out, state, pulled, rank)
         if error is not None:
             if client is not None:  # not durably trained: the groups go back, and the server goes on
                 release(client, pulled.lease_ids)
             raise ckpt.CheckpointError(error)
+        # The record goes out with the checkpoint, so every trained step has one whatever happens next.
+        # The handoff (ack, upload, wake) comes after it: its time is reported with the next step.
+        metrics |= batch_metrics(pulled, state.version - 1)
+        metrics |= {
+            "policy/version": float(state.version),
+            "perf/train_s": train_s,
+            "perf/save_s": time.perf_counter() - t_save,
+            "perf/publish_s": handoff["seconds"],
+            "perf/step_s": time.perf_counter() - t_step,
+            "server/queue_depth": handoff["queue_depth"],
+        }
+        with ckpt.writing(out, "metrics.jsonl"):
+            sink.write(state.step, metrics)
         crash_point("before_ack", state.step)
-        health, interrupted = None, False
+        t_handoff, interrupted = time.perf_counter(), False
         if client is not None:
             try:
                 for lease_id in pulled.lease_ids:
@@ -329,24 +343,15 @@ def _loop(run: _Run, state: ckpt.State) -> None:
                 crash_point("after_publish", state.step)
                 if cfg.learner.placement == "timeslice":
                     client.wake()
-                health = client.health()
+                handoff["queue_depth"] = float(client.health().queue_depth)
             except Interrupted:
                 log(f"stopping with step {state.step} not yet acked/published; --resume will do it")
                 interrupted = True
         state.pending_leases = []
-
-        metrics |= batch_metrics(pulled, state.version - 1)
-        metrics |= {
-            "policy/version": float(state.version),
-            "perf/train_s": train_s,
-            "perf/publish_s": time.perf_counter() - t_pub,
-            "perf/step_s": time.perf_counter() - t_step,
-            "server/queue_depth": float(health.queue_depth) if health else 0.0,
-        }
-        with ckpt.writing(out, "metrics.jsonl"):
-            sink.write(state.step, metrics)
+        handoff["seconds"] = time.perf_counter() - t_handoff
         if stopping or broadcast_object(interrupted):
             return
+        t_step = time.perf_counter() - handoff["seconds"]  # a step's time includes the handoff before it
 
 
 def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -84,10 +85,14 @@ def server_args(config: str, port: int, state_dir: Path, overrides: list[str]) -
 
 
 def start_server(
-    tmp: Path, overrides: list[str], config: str = "deploy/configs/cpu.toml", timeout: float = 400.0
+    tmp: Path,
+    overrides: list[str],
+    config: str = "deploy/configs/cpu.toml",
+    timeout: float = 400.0,
+    env: dict[str, str] | None = None,
 ):
     port = free_port()
-    proc = Proc(server_args(config, port, tmp / "server", overrides), tmp / "server.log")
+    proc = Proc(server_args(config, port, tmp / "server", overrides), tmp / "server.log", env=env)
     client = RolloutClient(f"http://127.0.0.1:{port}", token=TOKEN)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -119,3 +124,24 @@ def make_adapter(
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
     model.save_pretrained(out)
     return out
+
+
+def jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL file; none while it does not exist yet."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for(what: str, cond, procs: list[Proc], timeout: float = 600.0) -> None:
+    """Poll `cond` until true; fail naming `what` on timeout or if one of `procs` exits first."""
+    import pytest
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        for p in procs:
+            assert p.alive(), f"{what}: a process exited early:\n{p.log()[-4000:]}"
+        time.sleep(0.2)
+    pytest.fail(f"timed out waiting until {what}")

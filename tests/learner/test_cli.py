@@ -103,3 +103,15 @@ def test_two_single_process_learners_can_run_side_by_side(tmp_path):
         _, err = p.communicate(timeout=180)
         assert p.returncode == 3, err[-2000:]
         assert "did not become healthy" in err
+
+
+def test_a_damaged_checkpoint_is_named_before_anything_starts(tmp_path):
+    """`checkpoints/latest` pointing at garbage: one line naming it, with the way out, before the model
+    is built or the server asked (that is why no server is running here)."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("PK\x03\x04garbage")
+    out = _learner(f"--learner.out_dir={tmp_path}/run", "--resume")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {tmp_path}/run/checkpoints/latest does not name")
+    assert "Point it at an older checkpoint" in lines[0]

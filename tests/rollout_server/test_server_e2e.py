@@ -13,6 +13,8 @@ import time
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from learner.client import ServerError
 from shared.config import load_config
@@ -144,6 +146,17 @@ def test_versions_only_move_forward_and_bad_adapters_change_nothing(server, adap
     (wrong_targets / "adapter_config.json").write_text(json.dumps(cfg | {"target_modules": ["qkv_magic"]}))
     with pytest.raises(ServerError, match="not linear layers of the base model"):
         client.publish(2, wrong_targets)
+
+    # Well-formed but poisoned: all-NaN lora_B made the sampler fail at its first token (and the server
+    # answer 503 for good). Refused for what it holds; production goes on with v1.
+    nan = tmp_path / "nan"
+    shutil.copytree(adapter_dir, nan)
+    weights = load_file(str(nan / "adapter_model.safetensors"))
+    weights = {k: torch.full_like(v, float("nan")) if "lora_B" in k else v for k, v in weights.items()}
+    save_file(weights, str(nan / "adapter_model.safetensors"))
+    with pytest.raises(ServerError) as e:
+        client.publish(2, nan)
+    assert e.value.status == 422 and "non-finite value" in str(e.value)
 
     assert client.health().policy_version == 1
 

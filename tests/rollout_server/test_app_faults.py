@@ -1,0 +1,163 @@
+"""The server app's fault handling on a deterministic fake engine, in process (fast): a producer that dies
+takes the server down for its supervisor, SIGTERM ends evaluation requests at once, a large evaluation
+request reaches the engine in batch-sized chunks, and a damaged cursor is named."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rollout_server.app import _generate_in_chunks, create_app
+from rollout_server.backend import Sample
+from rollout_server.producer import StateError, load_cursor
+from shared.config import TandemConfig
+from shared.datasets import Problem
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return [1] + [2 + len(m["content"]) % 50 for m in messages]
+
+    def __len__(self):
+        return 100
+
+
+class FakeBackend:
+    """Answers "#### <answer>" for every sample; records each generate call's shape."""
+
+    name = "fake"
+
+    def __init__(self, fail_after: int | None = None, delay_s: float = 0.0):
+        self.tokenizer = FakeTokenizer()
+        self.calls: list[tuple[int, int]] = []  # (prompts, n) of each call
+        self.fail_after, self.delay_s = fail_after, delay_s
+
+    async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True):
+        self.calls.append((len(prompts), n))
+        if self.fail_after is not None and len(self.calls) > self.fail_after:
+            raise RuntimeError("engine core died")
+        await asyncio.sleep(self.delay_s)
+        lps = [-0.5] if logprobs else []
+        return [[Sample([7], lps, "#### 3", "stop") for _ in range(n)] for _ in prompts]
+
+    async def score(self, prompt, completion, adapter):
+        return [-0.5] * len(completion)
+
+    async def load_adapter(self, adapter): ...
+    async def unload_adapter(self, adapter): ...
+    async def sleep(self): ...
+    async def wake(self): ...
+    async def close(self): ...
+
+
+PROBLEMS = [Problem(f"arith-train-{i}", f"What is {i} + 1?", "3") for i in range(20)]
+
+
+def _app(tmp_path, backend, on_fatal=lambda: None, **server):
+    cfg = TandemConfig.model_validate(
+        {
+            "sampling": {"group_size": 4},
+            "server": {"state_dir": str(tmp_path / "state"), "prompts_per_batch": 2, **server},
+        }
+    )
+
+    async def factory():
+        return backend
+
+    return create_app(cfg, PROBLEMS, str(tmp_path), factory, on_fatal)
+
+
+def test_a_dead_producer_turns_health_503_and_asks_to_exit(tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
+    fatal = []
+    with TestClient(_app(tmp_path, FakeBackend(fail_after=1), on_fatal=lambda: fatal.append(1))) as c:
+        for _ in range(100):
+            if fatal:
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        r = c.get("/health")
+    assert fatal == [1]  # serve() turns this into uvicorn's exit, and exit code 1
+    assert r.status_code == 503 and "engine core died" in r.json()["detail"]
+
+
+def test_sigterm_cancels_an_evaluation_in_flight_with_503(tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
+    app = _app(tmp_path, FakeBackend(delay_s=30.0))
+    with TestClient(app) as c:
+        app.state.loop.call_later(0.5, app.state.server.begin_shutdown)  # what the SIGTERM handler does
+        r = c.post("/v1/generate", json={"prompts": ["What is 1 + 1?"], "n": 2})
+    assert r.status_code == 503 and r.json()["detail"] == "the server is shutting down"
+
+
+def test_an_evaluation_past_its_time_limit_gets_504(tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
+    with TestClient(_app(tmp_path, FakeBackend(delay_s=30.0), generate_timeout_s=0.5)) as c:
+        r = c.post("/v1/generate", json={"prompts": ["What is 1 + 1?"], "n": 2})
+    assert r.status_code == 504 and "server.generate_timeout_s=0.5" in r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "n", "calls"),
+    [
+        (5, 2, [(4, 2), (1, 2)]),  # chunk 8 sequences: 4 prompts x 2, then the last one
+        (1, 20, [(1, 8), (1, 8), (1, 4)]),  # n past a chunk: the prompt in three calls
+        (3, 8, [(1, 8)] * 3),
+    ],
+)
+def test_an_evaluation_reaches_the_engine_in_chunks_of_a_batch(prompts, n, calls):
+    backend = FakeBackend()
+    rows = asyncio.run(_generate_in_chunks(backend, [[1, 2]] * prompts, n, 1.0, 4, None, chunk=8))
+    assert backend.calls == calls
+    assert [len(r) for r in rows] == [n] * prompts
+    assert rows[0][0].logprobs == []  # evaluation asks for no logprobs: the engine keeps no logits
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ('{"epoch": 0, "posi', "is not readable JSON"),
+        ("[0, 3]", "must hold a JSON object, not list"),
+        ('{"epoch": 0, "position": "3", "num_problems": 20}', "lacks integer epoch, position"),
+        ('{"epoch": 0, "position": 999, "num_problems": 20}', "position 999 is outside"),
+        ('{"epoch": -1, "position": 0, "num_problems": 20}', "is outside"),
+    ],
+)
+def test_a_damaged_cursor_is_named_with_what_to_do(tmp_path, content, says):
+    path = tmp_path / "cursor.json"
+    path.write_text(content)
+    with pytest.raises(StateError) as e:
+        load_cursor(path, 20)
+    assert str(e.value).startswith(str(path)) and says in str(e.value)
+    assert "delete it to start the prompt order over" in str(e.value)
+
+
+def test_a_good_cursor_loads_and_a_changed_dataset_starts_over(tmp_path):
+    path = tmp_path / "cursor.json"
+    path.write_text(json.dumps({"epoch": 2, "position": 7, "num_problems": 20}))
+    c = load_cursor(path, 20)
+    assert (c.epoch, c.position) == (2, 7)
+    c = load_cursor(path, 21)
+    assert (c.epoch, c.position) == (0, 0)
+
+
+def test_the_server_names_a_damaged_cursor_and_exits_before_loading_the_engine(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, proc_env
+
+    (tmp_path / "cursor.json").write_text('{"epoch": 0, "position": 12')  # cut short by a crash
+    args = ["-m", "rollout_server", "--config", "deploy/configs/cpu.toml", f"--server.state_dir={tmp_path}"]
+    run = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=proc_env(), timeout=120
+    )
+    assert run.returncode == 2
+    errors = [line for line in run.stdout.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: {tmp_path}/cursor.json is not readable JSON (JSONDecodeError): delete it to start the "
+        "prompt order over at epoch 0 (prompts already used come round again)"
+    ]
+    assert "starting hf backend" not in run.stderr + run.stdout and "Traceback" not in run.stderr
