@@ -46,6 +46,7 @@ from shared.datasets import Problem, chat_prompt_ids
 log = logging.getLogger("tandem.server")
 
 BackendFactory = Callable[[], Awaitable[RolloutBackend]]
+MAX_CONFIG_BYTES = 2**16  # adapter_config.json: peft writes about 1 KB
 
 
 class Server:
@@ -82,9 +83,9 @@ class Server:
 
 
 def body_limit(cfg: TandemConfig) -> Callable[[str], int]:
-    """Bytes a POST body may carry: an adapter upload its two files and the form around them, any
-    other request server.max_request_mb."""
-    upload = int(cfg.server.max_adapter_mb * 2**20) + 2**21
+    """Bytes a POST body may carry: an adapter upload its weights (server.max_adapter_mb), its config
+    (MAX_CONFIG_BYTES) and the form around them; any other request server.max_request_mb."""
+    upload = int(cfg.server.max_adapter_mb * 2**20) + MAX_CONFIG_BYTES + 2**16
     other = int(cfg.server.max_request_mb * 2**20)
     return lambda path: upload if path == "/v1/adapters" else other
 
@@ -180,7 +181,7 @@ def create_app(
     async def _read(upload: UploadFile, limit: int) -> bytes:
         data = await upload.read(limit + 1)
         if len(data) > limit:
-            raise AdapterRejected(f"{upload.filename or 'upload'} exceeds server.max_adapter_mb", status=413)
+            raise AdapterRejected(f"{upload.filename or 'upload'} exceeds {limit} bytes", status=413)
         return data
 
     async def _publish(
@@ -200,7 +201,7 @@ def create_app(
     ):
         limit = int(cfg.server.max_adapter_mb * 2**20)
         return await _publish(
-            s, version, await _read(adapter_config, 2**20), await _read(adapter_model, limit)
+            s, version, await _read(adapter_config, MAX_CONFIG_BYTES), await _read(adapter_model, limit)
         )
 
     @app.post("/v1/adapters/path", response_model=P.AdapterPublished)

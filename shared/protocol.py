@@ -123,7 +123,7 @@ class AdapterPublished(_Model):
 class GenerateRequest(_Model):
     """Plain sampling for evaluation. Prompts are user messages; the server applies the chat template."""
 
-    prompts: list[str] = Field(min_length=1, max_length=1024)
+    prompts: list[Annotated[str, Field(max_length=100_000)]] = Field(min_length=1, max_length=1024)
     version: Version | None = Field(default=None, description="adapter version; None = the one served")
     n: int = Field(default=1, ge=1, le=64)
     temperature: float = Field(default=0.0, ge=0.0, le=5.0, description="0 = greedy")

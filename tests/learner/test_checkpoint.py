@@ -129,3 +129,23 @@ def test_a_damaged_replay_file_is_named_with_its_line(tmp_path):
     f.write_text('{"step": 1, "groups": []}\nnot json\n')
     with pytest.raises(ckpt.CheckpointError, match=r"groups.jsonl, line 2: not a groups.jsonl record"):
         ckpt.replay_groups(str(f), 2)
+
+
+def test_a_diverged_step_is_stopped_before_it_is_saved():
+    import types
+
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    model.bias.requires_grad_(False)
+    engine = types.SimpleNamespace(module=model)
+    ckpt.check_finite(engine, 3)  # finite: nothing to say
+    with torch.no_grad():
+        model.bias.fill_(float("nan"))  # frozen: not ours to judge
+    ckpt.check_finite(engine, 3)
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"step 3 left non-finite LoRA weights \(1 tensors, e.g. weight\)"
+    ):
+        ckpt.check_finite(engine, 3)
