@@ -204,46 +204,51 @@ class _ChunkedTokenLogprob(torch.autograd.Function):
 
     Autograd through a plain chunked loop would keep every chunk's fp32 [rows, V] intermediates alive
     for backward, which is exactly the memory chunking is meant to save; the backward here recomputes
-    softmax per chunk: d logp / d logits = onehot(token) - softmax(logits).
+    softmax per chunk: with z = logits / τ, d logp / d logits = (onehot(token) - softmax(z)) / τ.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, token_ids: Tensor, chunk_size: int) -> Tensor:  # [R, V], [R] -> [R]
-        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    def forward(ctx, logits: Tensor, token_ids: Tensor, chunk_size: int, temperature: float) -> Tensor:
+        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)  # [R]
         for s in range(0, logits.shape[0], chunk_size):
-            chunk = logits[s : s + chunk_size].float()  # [c, V]
+            chunk = logits[s : s + chunk_size].float() / temperature  # [c, V]: upcast, then divide
             picked = chunk.gather(-1, token_ids[s : s + chunk_size, None]).squeeze(-1)
             out[s : s + chunk_size] = picked - torch.logsumexp(chunk, dim=-1)
         ctx.save_for_backward(logits, token_ids)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.temperature = chunk_size, temperature
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # [R] -> [R, V]
         logits, token_ids = ctx.saved_tensors
-        c = ctx.chunk_size
+        c, t = ctx.chunk_size, ctx.temperature
         grad = torch.empty_like(logits)
         for s in range(0, logits.shape[0], c):
-            g = grad_out[s : s + c, None].float()  # [c, 1]
-            chunk_grad = -torch.softmax(logits[s : s + c].float(), dim=-1) * g
+            g = grad_out[s : s + c, None].float() / t  # [c, 1]
+            chunk_grad = -torch.softmax(logits[s : s + c].float() / t, dim=-1) * g
             chunk_grad.scatter_add_(-1, token_ids[s : s + c, None], g)
             grad[s : s + c] = chunk_grad.to(grad.dtype)
-        return grad, None, None
+        return grad, None, None, None
 
 
-def token_logprobs(logits: Tensor, token_ids: Tensor, *, chunk_size: int = 256) -> tuple[Tensor, Tensor]:
-    """[N, T, V] logits, [N, T] ids -> (logprobs [N, T] fp32 with grad, entropy [N, T] fp32 detached).
+def token_logprobs(
+    logits: Tensor, token_ids: Tensor, *, chunk_size: int = 256, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """[N, T, V] logits, [N, T] ids -> (logprobs [N, T] fp32 with grad, entropy [N, T] fp32 detached)
+    of softmax(logits / temperature).
 
     Never materialises fp32 log-softmax over all of [N, T, V] (a 151,936 vocabulary costs 0.6 MB per
     token in fp32): `chunk_size` rows of the flattened [N*T, V] are upcast at a time, forward and backward.
+    The temperature divides the upcast rows, as vLLM's sampler does: dividing bf16 logits first would
+    round them again (bf16 keeps 8 bits of mantissa) and move the log-probs away from the sampler's.
     """
     N, T, V = logits.shape
     flat = logits.reshape(N * T, V)  # [N*T, V]
     ids = token_ids.reshape(N * T).long()
-    logprobs = _ChunkedTokenLogprob.apply(flat, ids, chunk_size).view(N, T)
+    logprobs = _ChunkedTokenLogprob.apply(flat, ids, chunk_size, temperature).view(N, T)
     with torch.no_grad():
         entropy = torch.empty(N * T, dtype=torch.float32, device=logits.device)
         for s in range(0, N * T, chunk_size):
-            lp = torch.log_softmax(flat[s : s + chunk_size].float(), dim=-1)  # [c, V]
+            lp = torch.log_softmax(flat[s : s + chunk_size].float() / temperature, dim=-1)  # [c, V]
             entropy[s : s + chunk_size] = -(lp.exp() * lp).sum(-1)
     return logprobs, entropy.view(N, T)

@@ -93,9 +93,9 @@ def collect_groups(
 def _completion_logprobs(logits, b, temperature: float, chunk_size: int):
     """Log-probs and entropies [n, T] of the completion tokens under softmax(logits / T): the sampler
     drew from that distribution, so it is the policy whose ratio and KL we take."""
-    if temperature != 1.0:
-        logits.div_(temperature)  # in place: the matmul that made the logits does not need them back
-    lp, entropy = token_logprobs(logits[:, :-1], b.input_ids[:, 1:], chunk_size=chunk_size)  # [n, L-1]
+    lp, entropy = token_logprobs(
+        logits[:, :-1], b.input_ids[:, 1:], chunk_size=chunk_size, temperature=temperature
+    )  # [n, L-1]
     return lp.gather(1, b.positions), entropy.gather(1, b.positions)
 
 

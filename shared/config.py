@@ -134,7 +134,11 @@ class GRPOConfig(_Section):
     kl_estimator: Literal["k3", "k2", "k1"] = Field(default="k3", description="Schulman's k3 is unbiased")
     aggregation: Literal["seq_mean_token_mean", "token_mean", "constant_norm"] = "seq_mean_token_mean"
     is_cap: float | None = Field(
-        default=2.0, gt=1.0, description="truncated importance-sampling cap on π_old/π_sampler; None = off"
+        default=2.0,
+        gt=1.0,
+        description="dual-clip floor (Ye et al. 2020): for a negative advantage the surrogate is kept >= "
+        "is_cap·A, so a token whose ratio π/π_sampler is large (learner and sampler kernels disagree) cannot "
+        "dominate a step; None = off. Not truncated importance sampling, which would reweight every token",
     )
 
 

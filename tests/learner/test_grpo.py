@@ -281,20 +281,22 @@ def test_shards_sum_to_the_whole_batch(aggregation):
 # ---------------------------------------------------------------- chunked logprobs
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_size", [1, 5, 7, 1000])
-def test_chunked_logprobs_match_plain_log_softmax(chunk_size):
+def test_chunked_logprobs_match_plain_log_softmax(chunk_size, temperature):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 7, 50, generator=g, dtype=torch.float64).float()
     ids = torch.randint(0, 50, (3, 7), generator=g)
     upstream = torch.randn(3, 7, generator=g)
 
     a = logits.clone().requires_grad_()
-    plain = torch.log_softmax(a, -1).gather(-1, ids[..., None]).squeeze(-1)
+    plain = torch.log_softmax(a / temperature, -1).gather(-1, ids[..., None]).squeeze(-1)
     (plain * upstream).sum().backward()
-    plain_entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    z = logits / temperature
+    plain_entropy = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
 
     b = logits.clone().requires_grad_()
-    chunked, entropy = token_logprobs(b, ids, chunk_size=chunk_size)
+    chunked, entropy = token_logprobs(b, ids, chunk_size=chunk_size, temperature=temperature)
     (chunked * upstream).sum().backward()
 
     assert_close(chunked, plain)
@@ -312,3 +314,21 @@ def test_chunked_logprobs_upcast_bf16_logits():
     assert lp.dtype == torch.float32
     ref = torch.log_softmax(logits.float(), -1).gather(-1, ids[..., None]).squeeze(-1)
     assert_close(lp, ref)
+
+
+def test_bf16_logprobs_upcast_before_the_temperature_like_the_sampler():
+    # The model's bf16 logits, at the sampler's temperature: vLLM upcasts, then divides. Dividing in
+    # bf16 first rounds every logit again (to 8 bits of mantissa), which moved the learner's log-probs
+    # of fixed tokens away from the fp32 reference. Upcasting first leaves only the model's own rounding.
+    g = torch.Generator().manual_seed(2)
+    exact = torch.randn(4, 16, 2000, generator=g, dtype=torch.float64) * 4  # [N, T, V]
+    ids = torch.randint(0, 2000, (4, 16), generator=g)
+    model_logits = exact.bfloat16()
+    t = 0.7
+    reference = torch.log_softmax(model_logits.double() / t, -1).gather(-1, ids[..., None]).squeeze(-1)
+    now, _ = token_logprobs(model_logits, ids, chunk_size=16, temperature=t)
+    before, _ = token_logprobs(model_logits / t, ids, chunk_size=16)  # the old order: divide in bf16
+    err_now = (now.double() - reference).abs().mean().item()
+    err_before = (before.double() - reference).abs().mean().item()
+    assert err_now < 1e-5  # fp32 arithmetic on the same bf16 inputs
+    assert err_before > 100 * err_now, (err_before, err_now)
