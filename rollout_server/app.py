@@ -33,7 +33,7 @@ from rollout_server.adapters import (
     validate_adapter,
     validate_folder,
 )
-from rollout_server.backend import RolloutBackend
+from rollout_server.backend import GenerationAborted, RolloutBackend
 from rollout_server.guard import RequestGuard
 from rollout_server.metrics import ServerMetrics
 from rollout_server.policy import Policy
@@ -133,6 +133,11 @@ def create_app(
     @app.exception_handler(AdapterRejected)
     async def _rejected(request: Request, exc: AdapterRejected):
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+
+    @app.exception_handler(GenerationAborted)
+    async def _aborted(request: Request, exc: GenerationAborted):
+        detail = f"{exc}: the server went to sleep during this request; retry after POST /v1/wake"
+        return JSONResponse({"detail": detail}, status_code=409)
 
     @app.exception_handler(LeaseError)
     async def _lease(request: Request, exc: LeaseError):

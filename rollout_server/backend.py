@@ -35,6 +35,11 @@ class AdapterLoadError(ValueError):
     """The engine refused an adapter; the message says why."""
 
 
+class GenerationAborted(RuntimeError):
+    """The engine aborted a request before it finished (vLLM's sleep() aborts the requests running):
+    its output is not a completion and must never reach the learner as one."""
+
+
 class RolloutBackend(Protocol):
     name: str
     tokenizer: Any

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout_server.backend import RolloutBackend
+from rollout_server.backend import GenerationAborted, RolloutBackend
 from rollout_server.policy import Policy
 from rollout_server.queue import LeaseQueue
 from shared.config import TandemConfig
@@ -171,6 +171,12 @@ class Producer:
                     await self.policy.release(adapter)
             if self._batch.cancelled():
                 continue  # put to sleep mid-batch: the same prompts go again after the wake
+            if isinstance(self._batch.exception(), GenerationAborted):
+                log.warning(
+                    "generation batch aborted by the engine (%s); its prompts go again",
+                    self._batch.exception(),
+                )
+                continue
             groups = self._batch.result()
             await self.queue.put(groups)
             self._advance(len(batch))

@@ -7,8 +7,27 @@ import asyncio
 import os
 import uuid
 
-from rollout_server.backend import Adapter, AdapterLoadError, Sample
+from rollout_server.backend import Adapter, AdapterLoadError, GenerationAborted, Sample
 from shared.config import TandemConfig
+
+
+def _check_finished(out) -> None:
+    """vLLM reports a request it aborted (sleep() aborts the running ones) as finished with reason
+    "abort", or yields no final output at all: neither is a completion."""
+    if out is None or any(c.finish_reason not in ("stop", "length") for c in out.outputs):
+        reasons = sorted({str(c.finish_reason) for c in out.outputs}) if out is not None else ["no output"]
+        raise GenerationAborted(f"the engine did not finish the request ({', '.join(reasons)})")
+
+
+def samples_of(out) -> list[Sample]:
+    """The n samples of one vLLM RequestOutput, in index order."""
+    _check_finished(out)
+    samples = []
+    for c in sorted(out.outputs, key=lambda c: c.index):
+        ids = list(c.token_ids)
+        lps = [step[t].logprob for step, t in zip(c.logprobs, ids, strict=True)] if c.logprobs else []
+        samples.append(Sample(ids, lps, c.text, c.finish_reason))
+    return samples
 
 
 class VllmBackend:
@@ -91,16 +110,7 @@ class VllmBackend:
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         outs = await asyncio.gather(*(self._one(p, params, adapter) for p in prompts))
-        result = []
-        for out in outs:
-            samples = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                lps = [step[t].logprob for step, t in zip(c.logprobs, ids, strict=True)] if c.logprobs else []
-                reason = "length" if c.finish_reason == "length" else "stop"
-                samples.append(Sample(ids, lps, c.text, reason))
-            result.append(samples)
-        return result
+        return [samples_of(out) for out in outs]
 
     async def score(self, prompt: list[int], completion: list[int], adapter: Adapter | None) -> list[float]:
         from vllm import SamplingParams
@@ -110,6 +120,7 @@ class VllmBackend:
             n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY
         )
         out = await self._one(prompt + completion, params, adapter)
+        _check_finished(out)
         steps = out.prompt_logprobs[len(prompt) :]
         return [step[t].logprob for step, t in zip(steps, completion, strict=True)]
 

@@ -11,10 +11,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rollout_server.app import _generate_in_chunks, create_app
-from rollout_server.backend import Sample
+from rollout_server.backend import GenerationAborted, Sample
 from rollout_server.producer import StateError, load_cursor
 from shared.config import TandemConfig
-from shared.datasets import Problem
+from shared.datasets import Problem, epoch_order
 
 
 class FakeTokenizer:
@@ -30,15 +30,17 @@ class FakeBackend:
 
     name = "fake"
 
-    def __init__(self, fail_after: int | None = None, delay_s: float = 0.0):
+    def __init__(self, fail_after: int | None = None, delay_s: float = 0.0, abort_first: bool = False):
         self.tokenizer = FakeTokenizer()
         self.calls: list[tuple[int, int]] = []  # (prompts, n) of each call
-        self.fail_after, self.delay_s = fail_after, delay_s
+        self.fail_after, self.delay_s, self.abort_first = fail_after, delay_s, abort_first
 
     async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True):
         self.calls.append((len(prompts), n))
         if self.fail_after is not None and len(self.calls) > self.fail_after:
             raise RuntimeError("engine core died")
+        if self.abort_first and len(self.calls) == 1:
+            raise GenerationAborted("the engine did not finish the request (abort)")
         await asyncio.sleep(self.delay_s)
         lps = [-0.5] if logprobs else []
         return [[Sample([7], lps, "#### 3", "stop") for _ in range(n)] for _ in prompts]
@@ -161,3 +163,16 @@ def test_the_server_names_a_damaged_cursor_and_exits_before_loading_the_engine(t
         "prompt order over at epoch 0 (prompts already used come round again)"
     ]
     assert "starting hf backend" not in run.stderr + run.stdout and "Traceback" not in run.stderr
+
+
+def test_a_batch_the_engine_aborted_is_made_again_not_queued(tmp_path, monkeypatch):
+    monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
+    backend = FakeBackend(abort_first=True)
+    with TestClient(_app(tmp_path, backend)) as c:
+        r = c.post("/v1/groups/pull", json={"max_groups": 2, "wait_s": 10})
+        health = c.get("/health")
+    # The aborted batch's prompts were not consumed: the first groups are of the first two in the order.
+    order = epoch_order(len(PROBLEMS), 0, 0)
+    assert [g["prompt_id"] for g in r.json()["groups"]] == [PROBLEMS[i].id for i in order[:2]]
+    assert backend.calls[:2] == [(2, 4), (2, 4)]  # the same batch, twice
+    assert health.status_code == 200

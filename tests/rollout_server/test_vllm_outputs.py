@@ -1,0 +1,36 @@
+"""How vLLM's request outputs become samples, on hand-made outputs (no engine): an aborted request (vLLM
+0.32's sleep() aborts the running ones, finish reason "abort") is an error, never a finished completion."""
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from rollout_server.backend import GenerationAborted
+from rollout_server.vllm_backend import samples_of
+
+
+def _completion(index, ids, reason):
+    return NS(
+        index=index,
+        token_ids=ids,
+        logprobs=[{t: NS(logprob=-0.5)} for t in ids],
+        text="t",
+        finish_reason=reason,
+    )
+
+
+def test_finished_outputs_become_samples_in_index_order():
+    out = NS(outputs=[_completion(1, [7, 8], "length"), _completion(0, [5], "stop")])
+    samples = samples_of(out)
+    assert [s.token_ids for s in samples] == [[5], [7, 8]]
+    assert [s.finish_reason for s in samples] == ["stop", "length"]
+    assert samples[1].logprobs == [-0.5, -0.5]
+
+
+@pytest.mark.parametrize("reason", ["abort", None])
+def test_an_aborted_request_is_an_error_not_a_stop(reason):
+    out = NS(outputs=[_completion(0, [5], "stop"), _completion(1, [6], reason)])
+    with pytest.raises(GenerationAborted, match=f"did not finish the request \\({reason}"):
+        samples_of(out)
+    with pytest.raises(GenerationAborted, match="no output"):
+        samples_of(None)
