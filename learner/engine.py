@@ -112,6 +112,28 @@ def build_engine(cfg: TandemConfig, model_path: str, world_size: int, on_cpu: bo
     return engine
 
 
+def move_frozen(module, device) -> int:
+    """Move the frozen (base) weights to `device` in place, leaving the trainable (LoRA) ones, which
+    DeepSpeed's optimizer holds, where they are. Time-sliced on one GPU, the base weights wait in host
+    RAM while the server generates, so vLLM's share of the GPU is free (learner.preflight counts on it).
+    A weight tied to another (embeddings and LM head) is one Parameter and moves once. Returns bytes
+    moved."""
+    import gc
+
+    moved = 0
+    for p in module.parameters():  # unique Parameters: a tied pair is yielded once
+        if not p.requires_grad:
+            old = p.data  # (each .data access makes a new alias: take one)
+            data = old.to(device)  # the same tensor when it is there already
+            if data is not old:
+                moved += p.numel() * p.element_size()
+                p.data = data  # in place: the Parameter objects (and their ties) stay what they were
+    if moved and str(device) == "cpu" and torch.cuda.is_available():
+        gc.collect()  # the old GPU tensors are only freed once nothing refers to them
+        torch.cuda.empty_cache()  # and only then can the allocator give them back for vLLM to take
+    return moved
+
+
 @contextmanager
 def reference_policy(engine):
     """The base model: the same weights with the adapter switched off, and no autograd."""

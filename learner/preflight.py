@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,9 +82,10 @@ def estimate(cfg: TandemConfig, d: Dims, prompt_tokens: int = 256) -> dict[str, 
     weights = 2 * P
     kv_per_token = 2 * d.layers * d.kv_heads * d.head_dim * 2  # K and V, bf16
     sequences = cfg.server.prompts_per_batch * cfg.sampling.group_size
+    kv_tokens = max(sequences * s, cfg.model.max_model_len)  # vLLM wants room for one full sequence
     server = {
         "base weights (bf16)": weights,
-        f"KV cache ({sequences} seqs x {s} tokens)": kv_per_token * sequences * s,
+        f"KV cache ({sequences} seqs x {s} tokens)": kv_per_token * kv_tokens,
         f"LoRA slots (max_loras={cfg.server.max_loras})": 2 * L * cfg.server.max_loras,
         "CUDA context + vLLM buffers": CUDA_CONTEXT + VLLM_OVERHEAD,
     }
@@ -112,19 +114,87 @@ def estimate(cfg: TandemConfig, d: Dims, prompt_tokens: int = 256) -> dict[str, 
     return {"server": server, "learner": learner, "full_finetune": full}
 
 
-def report(cfg: TandemConfig, d: Dims, gpu_gib: float) -> tuple[str, dict[str, bool]]:
+@dataclass(frozen=True)
+class Check:
+    what: str
+    need: float  # bytes on the GPU in that phase
+    ok: bool
+    fix: str  # what to change when not ok
+
+
+def checks(cfg: TandemConfig, d: Dims, gpu_gib: float) -> list[Check]:
+    """What each process's own settings demand of one GPU, phase by phase, for the config's placement.
+
+    vLLM takes `gpu_memory_utilization` x the GPU for itself and sizes its KV cache as that budget minus
+    weights and buffers: too small a share and it cannot start ("No available memory for the cache
+    blocks"); and it checks at start (and wake) that this much is free, so on a shared GPU the learner's
+    residue while the server generates must leave room for it."""
     e = estimate(cfg, d)
-    server, learner = sum(e["server"].values()), sum(e["learner"].values())
+    total, util = gpu_gib * GIB, cfg.server.vllm.gpu_memory_utilization
+    budget, server_need = util * total, sum(e["server"].values())
+    learner_peak = sum(e["learner"].values())
     weights = e["learner"]["base weights (bf16, frozen: 2 B/param)"]
-    asleep = CUDA_CONTEXT  # vLLM sleep level 1: weights to host RAM, KV cache freed
-    plans = {
-        # One GPU, time-sliced: while the learner trains the server sleeps; while the server generates the
-        # learner keeps only its context (it moves its frozen weights to host RAM for the rollout phase).
-        "time-sliced (one GPU)": max(learner + asleep, server + learner - weights),
-        "both resident (one GPU)": server + learner,
-        "split (server GPU)": server,
-        "split (learner GPU)": learner,
-    }
+    lora_state = next(v for k, v in e["learner"].items() if k.startswith("LoRA + Adam"))
+    offload = cfg.learner.offload_weights_while_generating
+    learner_rollout = CUDA_CONTEXT + lora_state + (0 if offload else weights)
+    out = [
+        Check(
+            f"vLLM's share: {util:g} x {gpu_gib:g} GiB",
+            server_need,
+            budget >= server_need,
+            f"raise server.vllm.gpu_memory_utilization to >= {_ceil2(server_need / total)} (vLLM needs "
+            f"{server_need / GIB:.2f} GiB: weights, KV cache, LoRA slots, buffers)",
+        )
+    ]
+    if cfg.learner.placement == "timeslice":
+        most = (total - learner_rollout) / total
+        out.append(
+            Check(
+                "rollout phase: vLLM's share + the learner's residue ("
+                + ("frozen weights in host RAM" if offload else "frozen weights kept on the GPU")
+                + ")",
+                budget + learner_rollout,
+                budget + learner_rollout <= total,
+                f"lower server.vllm.gpu_memory_utilization to <= {_floor2(most)}"
+                + ("" if offload else " or set learner.offload_weights_while_generating = true"),
+            )
+        )
+        out.append(
+            Check(
+                "training phase: the learner's peak + the sleeping server's CUDA context",
+                learner_peak + CUDA_CONTEXT,
+                learner_peak + CUDA_CONTEXT <= total and cfg.server.vllm.enable_sleep_mode,
+                "set server.vllm.enable_sleep_mode = true (time-slicing needs it)"
+                if not cfg.server.vllm.enable_sleep_mode
+                else _learner_hints(cfg),
+            )
+        )
+    else:
+        out.append(Check("learner's GPU: its peak", learner_peak, learner_peak <= total, _learner_hints(cfg)))
+    return out
+
+
+def _ceil2(x: float) -> str:
+    return f"{math.ceil(x * 100) / 100:.2f}"
+
+
+def _floor2(x: float) -> str:
+    return f"{math.floor(x * 100) / 100:.2f}"
+
+
+def _learner_hints(cfg: TandemConfig) -> str:
+    hints = []
+    if not cfg.learner.gradient_checkpointing:
+        hints.append("learner.gradient_checkpointing = true")
+    if not cfg.deepspeed.offload_optimizer:
+        hints.append("deepspeed.offload_optimizer = true")
+    hints.append("a smaller sampling.max_new_tokens or learner.micro_batch_size")
+    return "try " + ", ".join(hints)
+
+
+def report(cfg: TandemConfig, d: Dims, gpu_gib: float) -> tuple[str, bool]:
+    """The estimate, largest items first, then each check of the config's placement with its fix."""
+    e = estimate(cfg, d)
     trainable = d.lora_params(cfg.lora.r, cfg.lora.target_modules)
     lines = [f"model: {d.params() / 1e9:.2f}B params, LoRA r={cfg.lora.r}: {trainable / 1e6:.2f}M trainable"]
     for proc in ("server", "learner"):
@@ -132,20 +202,16 @@ def report(cfg: TandemConfig, d: Dims, gpu_gib: float) -> tuple[str, dict[str, b
         for k, v in sorted(e[proc].items(), key=lambda kv: -kv[1]):
             lines.append(f"  {v / GIB:7.2f} GiB  {k}")
     lines.append(f"\nfor reference, full fine-tuning: {sum(e['full_finetune'].values()) / GIB:.1f} GiB")
-    lines.append(f"\nplacement on a {gpu_gib:g} GiB GPU:")
-    fits = {}
-    for name, total in plans.items():
-        fits[name] = total <= gpu_gib * GIB
-        lines.append(f"  {'fits   ' if fits[name] else 'DOES NOT FIT'}  {total / GIB:6.2f} GiB  {name}")
-    if not fits["time-sliced (one GPU)"]:
-        hints = []
-        if not cfg.learner.gradient_checkpointing:
-            hints.append("--learner.gradient_checkpointing=true")
-        if not cfg.deepspeed.offload_optimizer:
-            hints.append("--deepspeed.offload_optimizer=true")
-        hints.append("a smaller --sampling.max_new_tokens or --learner.micro_batch_size")
-        lines.append("  to fit time-sliced, try: " + ", ".join(hints))
-    return "\n".join(lines), fits
+    where = "one GPU for both" if cfg.learner.placement == "timeslice" else "a GPU for each process"
+    lines.append(f"\n{cfg.learner.placement} placement ({where}), {gpu_gib:g} GiB GPUs:")
+    results = checks(cfg, d, gpu_gib)
+    for c in results:
+        lines.append(f"  {'fits        ' if c.ok else 'DOES NOT FIT'}  {c.need / GIB:6.2f} GiB  {c.what}")
+        if not c.ok:
+            lines.append(f"                -> {c.fix}")
+    ok = all(c.ok for c in results)
+    lines.append("\npreflight: " + ("the config fits" if ok else "the config does NOT fit (see above)"))
+    return "\n".join(lines), ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         from shared.models import resolve_model
 
         dims = Dims.from_config(AutoConfig.from_pretrained(resolve_model(cfg.model.name)).to_dict())
-    text, fits = report(cfg, dims, args.gpu_gib)
+    text, ok = report(cfg, dims, args.gpu_gib)
     print(text)
-    return 0 if fits["time-sliced (one GPU)"] or fits["split (learner GPU)"] else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from learner.engine import (
     build_engine,
     gather_objects,
     init_distributed,
+    move_frozen,
     optimizer_state_numel,
     reference_policy,
 )
@@ -270,6 +271,8 @@ class _Run:
     cfg: TandemConfig
     engine: object
     client: RolloutClient | None
+    offload: bool  # frozen weights to host RAM while the server generates (time-sliced, one GPU)
+    device: object
     out: Path
     sink: MetricsSink
     stop: _Stop
@@ -303,6 +306,8 @@ def _loop(run: _Run, state: ckpt.State) -> None:
             # it is not producing either; train, then stop.
             with contextlib.suppress(Interrupted):
                 client.sleep()
+        if run.offload:
+            move_frozen(engine.module, run.device)  # the base weights back, now that the server sleeps
 
         t_train = time.perf_counter()
         metrics = train_step(engine, pulled.groups, cfg, rank, world, pad_id)
@@ -318,6 +323,8 @@ def _loop(run: _Run, state: ckpt.State) -> None:
             if client is not None:  # not durably trained: the groups go back, and the server goes on
                 release(client, pulled.lease_ids)
             raise ckpt.CheckpointError(error)
+        if run.offload:
+            move_frozen(engine.module, "cpu")  # free the GPU before the server wakes
         # The record goes out with the checkpoint, so every trained step has one whatever happens next.
         # The handoff (ack, upload, wake) comes after it: its time is reported with the next step.
         metrics |= batch_metrics(pulled, state.version - 1)
@@ -364,6 +371,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     torch.manual_seed(cfg.learner.seed)  # the same LoRA init on every rank
 
     replay = cfg.learner.replay_file
+    shares_gpu = cfg.learner.placement == "timeslice" and not on_cpu
     client = None
     if lead and not replay:
         token = os.environ.get(cfg.learner.api_token_env) or None
@@ -382,7 +390,18 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
                 f"{cfg.sampling.group_size}: start both from the same config"
             )
 
+    # Time-sliced on one GPU the two processes must never peak together: the server sleeps while the
+    # learner builds its engine (it is woken by sync_server below), and the learner's frozen weights wait
+    # in host RAM whenever the server is awake.
+    offload = client is not None and shares_gpu and cfg.learner.offload_weights_while_generating
+    if client is not None and shares_gpu:
+        client.sleep()
     engine = build_engine(cfg, model_path, world, on_cpu)
+    device = next(p.device for p in engine.module.parameters() if p.requires_grad)
+    offload = broadcast_object(offload)
+    if offload:
+        moved = move_frozen(engine.module, "cpu")
+        log(f"frozen weights ({moved / 2**30:.2f} GiB) in host RAM while the server generates")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -401,7 +420,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     )
 
     try:
-        _loop(_Run(cfg, engine, client, out, sink, stop, rank, world, pad_id, log), state)
+        _loop(_Run(cfg, engine, client, offload, device, out, sink, stop, rank, world, pad_id, log), state)
     except BaseException:
         if client is not None:  # whatever stopped us, the server must not stay asleep waiting for a wake
             client.retry_s = 0.0

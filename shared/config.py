@@ -166,6 +166,11 @@ class LearnerConfig(_Section):
     pull_wait_s: float = Field(default=60.0, gt=0)
     logprob_chunk_size: int = Field(default=256, ge=1, description="tokens per log-softmax chunk")
     gradient_checkpointing: bool = False
+    offload_weights_while_generating: bool = Field(
+        default=True,
+        description="timeslice placement on a GPU: the frozen base weights wait in host RAM while the server "
+        "generates, so vLLM's share of the GPU is free for it (no effect on CPU or in split placement)",
+    )
     out_dir: str = "runs/learner"
     checkpoint_every: int = Field(
         default=10,

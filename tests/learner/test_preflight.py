@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from learner.preflight import GIB, R1_DISTILL_1_5B, Dims, estimate, report
+from learner.preflight import GIB, R1_DISTILL_1_5B, Dims, checks, estimate, report
 from shared.config import load_config
 from tests.helpers import REPO
 
@@ -25,9 +25,51 @@ def test_parameter_counts_from_dimensions():
     assert d.lora_params(16, ["q_proj", "k_proj", "v_proj", "o_proj"]) == 4_358_144
 
 
-def test_production_config_fits_8gb_time_sliced_and_not_both_resident():
-    _, fits = report(_cfg(), Dims.from_config(R1_DISTILL_1_5B), 8.0)
-    assert fits["time-sliced (one GPU)"] and not fits["both resident (one GPU)"]
+@pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "deploy/configs").glob("gpu-*.toml")))
+def test_every_shipped_gpu_config_passes_preflight_on_8_gib_gpus(config):
+    cfg = load_config(REPO / "deploy/configs" / config)
+    text, ok = report(cfg, Dims.from_config(R1_DISTILL_1_5B), 8.0)
+    assert ok, text
+    assert (
+        [c.ok for c in checks(cfg, Dims.from_config(R1_DISTILL_1_5B), 8.0)] == [True] * 3
+        if (cfg.learner.placement == "timeslice")
+        else [True] * 2
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "failing", "fix"),
+    [
+        # The shipped value before this check existed: 2.8 GiB, less than the bf16 weights and the cache.
+        (["server.vllm.gpu_memory_utilization=0.35"], "vLLM's share: 0.35 x 8 GiB",
+         "raise server.vllm.gpu_memory_utilization to >= 0.58"),
+        # So large a share that vLLM cannot start beside what the learner keeps while it generates.
+        (["server.vllm.gpu_memory_utilization=0.95"], "rollout phase",
+         "lower server.vllm.gpu_memory_utilization to <= 0.93"),
+        (["learner.offload_weights_while_generating=false"], "rollout phase",
+         "or set learner.offload_weights_while_generating = true"),
+        (["server.vllm.enable_sleep_mode=false"], "training phase",
+         "set server.vllm.enable_sleep_mode = true"),
+        (["learner.gradient_checkpointing=false", "learner.micro_batch_size=8", "learner.grad_accum=1"],
+         "training phase", "learner.gradient_checkpointing = true"),
+    ],
+)  # fmt: skip
+def test_a_broken_config_fails_preflight_with_the_reason_and_the_fix(overrides, failing, fix):
+    text, ok = report(_cfg(*overrides), Dims.from_config(R1_DISTILL_1_5B), 8.0)
+    assert not ok
+    bad = [c for c in checks(_cfg(*overrides), Dims.from_config(R1_DISTILL_1_5B), 8.0) if not c.ok]
+    assert [c.what.split(":")[0] for c in bad] == [failing.split(":")[0]]
+    assert fix in bad[0].fix and f"-> {bad[0].fix}" in text
+
+
+def test_the_rollout_phase_adds_vllms_share_and_what_the_learner_keeps():
+    d = Dims.from_config(R1_DISTILL_1_5B)
+    lean, kept = (
+        checks(_cfg(f"learner.offload_weights_while_generating={v}"), d, 8.0)[1] for v in ("true", "false")
+    )
+    # Keeping the frozen weights on the GPU adds them: 1.777e9 params x 2 B = 3.31 GiB.
+    assert (kept.need - lean.need) / GIB == pytest.approx(1.777e9 * 2 / GIB, rel=1e-3)
+    assert lean.need / GIB == pytest.approx(0.6 * 8 + 0.5 + 4_358_144 * 4 / GIB, rel=1e-3)
 
 
 def test_totals_within_20_percent_of_the_ladder_where_comparable():
@@ -77,7 +119,7 @@ def test_cli_lists_largest_items_first_and_says_what_to_change():
         cwd=REPO,
     )
     assert out.returncode == 1
-    assert "DOES NOT FIT" in out.stdout and "--learner.gradient_checkpointing=true" in out.stdout
+    assert "DOES NOT FIT" in out.stdout and "learner.gradient_checkpointing = true" in out.stdout
     learner_block = out.stdout.split("learner (")[1].split("\n\n")[0].splitlines()[1:]
     sizes = [float(line.split()[0]) for line in learner_block]
     assert sizes == sorted(sizes, reverse=True)

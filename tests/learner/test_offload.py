@@ -1,0 +1,46 @@
+"""The learner's frozen weights leave the GPU while the server generates (time-sliced on one GPU) and come
+back for training. On CPU there is no second device, so the move is swapped for a change of dtype (fp32 <->
+fp64, which `.to()` takes the same way and which round-trips exactly): the test sees which tensors move,
+that the Parameter objects (which DeepSpeed's optimizer holds) and the embedding/LM-head tie survive,
+and that the model computes the same after the round trip."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from learner.engine import move_frozen
+
+
+@pytest.fixture
+def model():
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+def test_frozen_weights_move_and_trainable_ones_stay(model):
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    params = dict(model.named_parameters())
+    assert move_frozen(model, torch.float64) == frozen_bytes  # the tied embedding counted once
+    for n, p in model.named_parameters():
+        assert p.dtype == (torch.float32 if n in trainable else torch.float64), n
+        assert p is params[n]  # moved in place: the same Parameter objects
+    base = model.base_model.model
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # still tied
+    assert move_frozen(model, torch.float64) == 0  # nothing left to move
+
+
+def test_a_round_trip_leaves_the_outputs_bit_identical(model):
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    move_frozen(model, torch.float64)  # away (host RAM on a GPU machine) ...
+    move_frozen(model, torch.float32)  # ... and back for the training phase
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
