@@ -7,6 +7,11 @@
 # The server writes its URL to $TANDEM_RUN_DIR/server_url once /health answers; the learner waits for
 # that file (up to TANDEM_WAIT_S seconds), then connects. Both keep their state under $TANDEM_RUN_DIR,
 # so resubmitting either job resumes it. Multi-GPU learner: TANDEM_LAUNCHER="torchrun --nproc-per-node 4".
+#
+# GPUs: under SLURM each job gets what it asked for. On one machine without SLURM, unless
+# CUDA_VISIBLE_DEVICES is set, the server takes GPU 0 and the learner GPU 0 too in timeslice placement
+# (they share it: see learner.preflight) or GPU 1 in split placement; TANDEM_SERVER_GPUS /
+# TANDEM_LEARNER_GPUS choose others (e.g. TANDEM_LEARNER_GPUS=1,2,3 with a torchrun launcher).
 set -euo pipefail
 
 role=${1:?usage: run.sh server|learner CONFIG [overrides...]}
@@ -16,6 +21,18 @@ run_dir=${TANDEM_RUN_DIR:?set TANDEM_RUN_DIR to a folder that both jobs can see}
 py=${TANDEM_PYTHON:-python}
 mkdir -p "$run_dir"
 url_file="$run_dir/server_url"
+
+if [ -z "${SLURM_JOB_ID:-}" ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
+  placement=$("$py" -m learner --config "$config" "$@" --check-config |
+    "$py" -c "import json, sys; print(json.load(sys.stdin)['learner']['placement'])")
+  case "$role/$placement" in
+  server/*) CUDA_VISIBLE_DEVICES=${TANDEM_SERVER_GPUS:-0} ;;
+  learner/split) CUDA_VISIBLE_DEVICES=${TANDEM_LEARNER_GPUS:-1} ;;
+  learner/*) CUDA_VISIBLE_DEVICES=${TANDEM_LEARNER_GPUS:-0} ;;
+  esac
+  export CUDA_VISIBLE_DEVICES
+  echo "run.sh: $role on GPU(s) $CUDA_VISIBLE_DEVICES ($placement placement; set CUDA_VISIBLE_DEVICES to choose)"
+fi
 
 case "$role" in
 server)

@@ -84,3 +84,34 @@ def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path):
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("config", "env", "gpus"),
+    [
+        ("deploy/configs/gpu-8gb-timeslice.toml", {}, "0"),  # one GPU, shared with the server
+        ("deploy/configs/gpu-2x-split.toml", {}, "1"),  # the server has GPU 0
+        ("deploy/configs/gpu-2x-split.toml", {"TANDEM_LEARNER_GPUS": "1,2,3"}, "1,2,3"),
+        ("deploy/configs/gpu-2x-split.toml", {"CUDA_VISIBLE_DEVICES": "5"}, "5"),  # the user's choice
+        ("deploy/configs/gpu-2x-split.toml", {"SLURM_JOB_ID": "42"}, "unset"),  # SLURM assigns them
+    ],
+)
+def test_on_one_machine_each_process_gets_its_gpus(tmp_path, config, env, gpus):
+    """The learner's launcher replaced by a script that prints the GPUs it was given."""
+    show = tmp_path / "show.sh"
+    show.write_text('#!/bin/sh\necho "gpus=${CUDA_VISIBLE_DEVICES:-unset}"\n')
+    show.chmod(0o755)
+    (tmp_path / "server_url").write_text("http://127.0.0.1:1")
+    base = proc_env(TANDEM_RUN_DIR=str(tmp_path), TANDEM_PYTHON=sys.executable, TANDEM_LAUNCHER=str(show))
+    base.pop("CUDA_VISIBLE_DEVICES", None)
+    base.pop("SLURM_JOB_ID", None)
+    out = subprocess.run(
+        ["deploy/slurm/run.sh", "learner", config],
+        env=base | env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"gpus={gpus}" in out.stdout.splitlines()
