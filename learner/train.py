@@ -264,6 +264,21 @@ class _Stop:
         )
 
 
+def build_beside_server(client, cfg: TandemConfig, shares_gpu: bool, build, log):
+    """Build the engine so that the two processes never peak together on a shared GPU: the server sleeps
+    while the learner builds (sync_server wakes it), and then the learner's frozen weights go to host RAM,
+    where they wait whenever the server is awake. Returns (engine, offload: whether they do)."""
+    offload = client is not None and shares_gpu and cfg.learner.offload_weights_while_generating
+    if client is not None and shares_gpu:
+        client.sleep()
+    engine = build()
+    offload = broadcast_object(offload)
+    if offload:
+        moved = move_frozen(engine.module, "cpu")
+        log(f"frozen weights ({moved / 2**30:.2f} GiB) in host RAM while the server generates")
+    return engine, offload
+
+
 @dataclass
 class _Run:
     """What the loop needs besides the state it advances."""
@@ -390,18 +405,10 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
                 f"{cfg.sampling.group_size}: start both from the same config"
             )
 
-    # Time-sliced on one GPU the two processes must never peak together: the server sleeps while the
-    # learner builds its engine (it is woken by sync_server below), and the learner's frozen weights wait
-    # in host RAM whenever the server is awake.
-    offload = client is not None and shares_gpu and cfg.learner.offload_weights_while_generating
-    if client is not None and shares_gpu:
-        client.sleep()
-    engine = build_engine(cfg, model_path, world, on_cpu)
+    engine, offload = build_beside_server(
+        client, cfg, shares_gpu, lambda: build_engine(cfg, model_path, world, on_cpu), log
+    )
     device = next(p.device for p in engine.module.parameters() if p.requires_grad)
-    offload = broadcast_object(offload)
-    if offload:
-        moved = move_frozen(engine.module, "cpu")
-        log(f"frozen weights ({moved / 2**30:.2f} GiB) in host RAM while the server generates")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
