@@ -295,6 +295,7 @@ class _Run:
     world: int
     pad_id: int
     log: object
+    published: bool = True  # False: stopped before the last step's publish (server unreachable)
 
 
 def _loop(run: _Run, state: ckpt.State) -> None:
@@ -366,12 +367,13 @@ def _loop(run: _Run, state: ckpt.State) -> None:
                 if cfg.learner.placement == "timeslice":
                     client.wake()
                 handoff["queue_depth"] = float(client.health().queue_depth)
-            except Interrupted:
-                log(f"stopping with step {state.step} not yet acked/published; --resume will do it")
+            except Interrupted as e:
+                log(f"{e}: stopping with step {state.step} not yet acked/published; --resume will do it")
                 interrupted = True
         state.pending_leases = []
         handoff["seconds"] = time.perf_counter() - t_handoff
         if stopping or broadcast_object(interrupted):
+            run.published = not interrupted
             return
         t_step = time.perf_counter() - handoff["seconds"]  # a step's time includes the handoff before it
 
@@ -427,7 +429,8 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     )
 
     try:
-        _loop(_Run(cfg, engine, client, offload, device, out, sink, stop, rank, world, pad_id, log), state)
+        run = _Run(cfg, engine, client, offload, device, out, sink, stop, rank, world, pad_id, log)
+        _loop(run, state)
     except BaseException:
         if client is not None:  # whatever stopped us, the server must not stay asleep waiting for a wake
             client.retry_s = 0.0
@@ -445,8 +448,6 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
         }  # fmt: skip
         with ckpt.writing(out, "run_summary.json"):
             (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    log(
-        f"done at step {state.step}; server serves v{state.version}"
-        + (" (stopped by signal)" if stop.requested else "")
-    )
+    served = f"server serves v{state.version}" if run.published else f"v{state.version} not yet published"
+    log(f"done at step {state.step}; {served}" + (" (stopped by signal)" if stop.requested else ""))
     return 0

@@ -1,15 +1,18 @@
-"""GPU benchmark of the production shape, time-sliced under an 8 GB cap, with no download: a random-init
-model with DeepSeek-R1-Distill-Qwen-1.5B's dimensions, vLLM for the rollout, tandem's DeepSpeed learner
-for the step, in one process the way the 8 GB placement runs them (the engine sleeps while the learner
-trains).
+"""GPU benchmark of the production shape, time-sliced on one GPU the way `docker compose up` runs it: the
+product's own rollout server (vLLM backend) and learner (DeepSpeed ZeRO-2), as two processes started in
+the production order, on a random-init model with DeepSeek-R1-Distill-Qwen-1.5B's dimensions and a
+synthetic tokenizer of its vocabulary size (no download).
 
-    .venv/bin/python scripts/bench_gpu.py --dry-run     # anywhere: checks the arguments and builds the
-                                                         # model on the meta device (no GPU, no vLLM)
-    python scripts/bench_gpu.py [--gpu-gib 8] [--out runs/bench-gpu.json]    # on a CUDA machine, < 8 min
+    .venv/bin/python scripts/bench_gpu.py --dry-run   # anywhere: the model on the meta device, the tokenizer,
+                                                       # the resolved config and its memory preflight
+    python scripts/bench_gpu.py [--gpu-gib 8] [--steps 3] [--out runs/bench-gpu.json]    # on a CUDA machine
 
-Reports device memory per phase (sampled every 20 ms from cudaMemGetInfo: what the GPU really holds,
-vLLM's engine process included), rollout tokens/s without and with the adapter, and the learner's step
-time; exits 1 if a phase went over --gpu-gib.
+vLLM's share is `server.vllm.gpu_memory_utilization` of the config (0.6) applied to --gpu-gib, whatever the
+GPU's real size. Every 0.2 s the script reads what each process holds on the GPU (nvidia-smi, vLLM's engine
+process counted with its server) and files it under the phase the run is in (from the server's event log:
+server start, learner start-up, rollout, training, ...). It reports the peak of each process and of both per
+phase, rollout tokens/s and step times from the learner's metrics, and exits 1 if a phase went over
+--gpu-gib.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -24,7 +29,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+CONFIG = REPO / "deploy/configs/gpu-8gb-timeslice.toml"
 
 # DeepSeek-R1-Distill-Qwen-1.5B (Qwen2 architecture), from its published config.json.
 R1_DISTILL_1_5B = dict(
@@ -41,21 +46,20 @@ R1_DISTILL_1_5B = dict(
     hidden_act="silu",
 )
 EXPECTED_PARAMS = 1.777e9  # its parameter count; the dry run checks the construction against it
+SPECIAL = ["<unk>", "<pad>", "<|end|>"]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="check arguments and model construction only")
-    p.add_argument("--gpu-gib", type=float, default=8.0, help="memory cap the time-sliced run must fit")
+    p.add_argument("--dry-run", action="store_true", help="check the model, tokenizer and config only")
+    p.add_argument("--gpu-gib", type=float, default=8.0, help="the GPU size the run must fit")
     p.add_argument("--prompts", type=int, default=2, help="B, prompts per step")
     p.add_argument("--group-size", type=int, default=4, help="G, completions per prompt")
-    p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=512, help="new tokens per completion (all generated)")
-    p.add_argument("--steps", type=int, default=2, help="learner steps to time (the first one warms up)")
-    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=512, help="new tokens per completion")
+    p.add_argument("--steps", type=int, default=3, help="learner steps (the first one warms up)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
-    for name in ("prompts", "group_size", "prompt_tokens", "max_tokens", "steps", "lora_rank"):
+    for name in ("prompts", "group_size", "max_tokens", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.gpu_gib <= 0:
@@ -69,62 +73,59 @@ def model_config():
     return Qwen2Config(**R1_DISTILL_1_5B, torch_dtype="bfloat16")
 
 
-def tandem_config(args, model_dir: str, out_dir: str):
-    """The production config (gpu-8gb-timeslice.toml) resized to this benchmark's workload."""
-    from shared.config import load_config
+def make_tokenizer(vocab: int):
+    """A word-level tokenizer with exactly `vocab` ids and a chat template: any id the random model samples
+    decodes, and the server's chat prompts encode (to <unk> mostly), with no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
-    n = args.prompts * args.group_size
-    return load_config(
-        REPO / "deploy/configs/gpu-8gb-timeslice.toml",
-        [
-            f"model.name={model_dir}",
-            f"sampling.group_size={args.group_size}",
-            f"sampling.max_new_tokens={args.max_tokens}",
-            f"learner.prompts_per_step={args.prompts}",
-            "learner.micro_batch_size=1",
-            f"learner.grad_accum={n}",
-            f"lora.r={args.lora_rank}",
-            f"lora.alpha={2 * args.lora_rank}",
-            f"learner.out_dir={out_dir}",
-        ],
+    words = {w: i for i, w in enumerate(SPECIAL)} | {f"w{i}": i for i in range(len(SPECIAL), vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|end|>",
+        chat_template=template,
     )
 
 
-def synthetic_groups(args, vocab: int, seed: int = 0):
-    """B groups of G random completions of exactly max_tokens, half rewarded: every token trains."""
-    import random
-
-    from shared.protocol import Completion, ScoredGroup
-
-    rng = random.Random(seed)
-    groups = []
-    for b in range(args.prompts):
-        completions = [
-            Completion(
-                token_ids=[rng.randrange(vocab) for _ in range(args.max_tokens)],
-                logprobs=[-1.0] * args.max_tokens,
-                text="",
-                reward=float(i % 2),
-                finish_reason="length",
-            )
-            for i in range(args.group_size)
-        ]
-        groups.append(
-            ScoredGroup(
-                group_id=f"bench-{b}",
-                prompt_id=f"bench-{b}",
-                prompt_token_ids=[rng.randrange(vocab) for _ in range(args.prompt_tokens)],
-                answer="0",
-                policy_version=0,
-                completions=completions,
-            )
-        )
-    return groups
+def overrides(args, model_dir: str, work: Path, port: int) -> list[str]:
+    """The production config, resized to this run and pointed at the random model and a work folder."""
+    util = 0.6 * args.gpu_gib * 2**30 / max(args.total_bytes, 1)
+    return [
+        f"model.name={model_dir}",
+        "data.task=arith",  # offline; rewards are ~0 for a random model, the work per step is the same
+        f"sampling.group_size={args.group_size}",
+        f"sampling.max_new_tokens={args.max_tokens}",
+        f"server.port={port}",
+        "server.host=127.0.0.1",
+        f"server.state_dir={work / 'server'}",
+        f"server.queue_size={args.prompts}",
+        f"server.prompts_per_batch={args.prompts}",
+        f"server.vllm.gpu_memory_utilization={util:.4f}",
+        f"learner.server_url=http://127.0.0.1:{port}",
+        f"learner.out_dir={work / 'learner'}",
+        f"learner.steps={args.steps}",
+        f"learner.prompts_per_step={args.prompts}",
+        "learner.micro_batch_size=1",
+        f"learner.grad_accum={args.prompts * args.group_size}",
+        "learner.dynamic_sampling=false",
+        "learner.min_free_mb=0",
+    ]
 
 
 def dry_run(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
+
+    from learner.preflight import Dims, report
+    from shared.config import load_config
 
     cfg = model_config()
     with torch.device("meta"):
@@ -135,161 +136,200 @@ def dry_run(args) -> int:
             f"error: built {n / 1e9:.3f}B parameters, expected {EXPECTED_PARAMS / 1e9:.3f}B", file=sys.stderr
         )
         return 1
-    tcfg = tandem_config(args, "/nonexistent-model", "/tmp/bench-gpu")
-    groups = synthetic_groups(args, cfg.vocab_size)
-    tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+    tok = make_tokenizer(cfg.vocab_size)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True
+    )
+    if len(tok) != cfg.vocab_size or tok.decode([cfg.vocab_size - 1]) != f"w{cfg.vocab_size - 1}":
+        print(f"error: the tokenizer has {len(tok)} ids, the model {cfg.vocab_size}", file=sys.stderr)
+        return 1
+    args.total_bytes = args.gpu_gib * 2**30
+    tcfg = load_config(CONFIG, overrides(args, "/random-model", Path("/tmp/bench-gpu"), 8000))
+    text, fits = report(tcfg, Dims.from_config(R1_DISTILL_1_5B), args.gpu_gib)
+    tokens = args.prompts * args.group_size * args.max_tokens
     print(
         f"dry run ok: {type(model).__name__} with {n / 1e9:.3f}B parameters ({cfg.num_hidden_layers} layers, "
-        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}); LoRA r={tcfg.lora.r} on "
-        f"{','.join(tcfg.lora.target_modules)}; a step = {args.prompts} x G={args.group_size} completions, "
-        f"{tokens} tokens; cap {args.gpu_gib:g} GiB"
+        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}); tokenizer of {len(tok)} ids, a chat prompt of "
+        f"{len(prompt)} tokens; LoRA r={tcfg.lora.r} on {','.join(tcfg.lora.target_modules)}; a step = "
+        f"{args.prompts} x G={args.group_size} completions, {tokens} tokens; cap {args.gpu_gib:g} GiB"
     )
-    return 0
+    print(text)
+    return 0 if fits else 1
 
 
-class DeviceMemory:
-    """Peak device memory in use (all processes) per named phase, sampled in a thread."""
+# -- measuring ------------------------------------------------------------------------------------------
+def _gpu_processes() -> tuple[dict[int, float], float, float]:
+    """{pid: MiB} of the processes on the GPU, and the GPU's used and total MiB (nvidia-smi)."""
+    apps = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, timeout=10,
+    ).stdout  # fmt: skip
+    held = {
+        int(p): float(m) for p, m in (line.split(",") for line in apps.strip().splitlines() if "," in line)
+    }
+    used, total = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, timeout=10,
+    ).stdout.splitlines()[0].split(",")  # fmt: skip
+    return held, float(used), float(total)
 
-    def __init__(self, interval_s: float = 0.02):
-        import torch
 
-        self._torch, self.interval_s = torch, interval_s
-        self.total = torch.cuda.mem_get_info()[1]
-        self.peaks: dict[str, float] = {}
-        self.phase = "idle"
+def _root(pid: int, roots: dict[int, str]) -> str:
+    """The role ("server", "learner") whose process tree holds `pid` (vLLM's engine core is a child)."""
+    while pid > 1:
+        if pid in roots:
+            return roots[pid]
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return "other"
+
+
+class Sampler:
+    """Samples (time, MiB per role, MiB used on the GPU) every `interval_s` in a thread."""
+
+    def __init__(self, roots: dict[int, str], interval_s: float = 0.2):
+        self.roots, self.interval_s = roots, interval_s
+        self.samples: list[tuple[float, dict[str, float], float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def used_gib(self) -> float:
-        free, total = self._torch.cuda.mem_get_info()
-        return (total - free) / 2**30
-
     def _run(self) -> None:
         while not self._stop.is_set():
-            used = self.used_gib()
-            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0.0), used)
+            held, used, _ = _gpu_processes()
+            by_role: dict[str, float] = {}
+            for pid, mib in held.items():
+                role = _root(pid, self.roots)
+                by_role[role] = by_role.get(role, 0.0) + mib
+            self.samples.append((time.time(), by_role, used))
             time.sleep(self.interval_s)
-
-    def enter(self, phase: str) -> None:
-        print(f"[{time.strftime('%H:%M:%S')}] {phase} ...", flush=True)
-        self.phase = phase
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
 
 
+def phases(events: list[dict], healthy_at: float, learner_at: float) -> list[tuple[float, str]]:
+    """(start time, phase name), in order, from the server's event log: sleeps and wakes bound the phases."""
+    out = [(0.0, "server start"), (healthy_at, "server up, learner starting")]
+    step, first_sleep = 0, True
+    for e in events:
+        if e["t"] < learner_at:
+            continue
+        if e["event"] == "sleep":
+            out.append(
+                (e["t"], "learner build (server asleep)" if first_sleep else f"step {step + 1}: training")
+            )
+            if not first_sleep:
+                step += 1
+            first_sleep = False
+        elif e["event"] == "wake":
+            out.append((e["t"], f"step {step + 1}: rollout (server awake)"))
+        elif e["event"] == "publish":
+            out.append((e["t"], f"publish v{e['version']} (server asleep)"))
+    return out
+
+
+def peaks(samples, bounds: list[tuple[float, str]]) -> dict[str, dict[str, float]]:
+    """Peak MiB per phase: of each role and of the whole GPU."""
+    result: dict[str, dict[str, float]] = {}
+    for t, by_role, used in samples:
+        name = next((n for start, n in reversed(bounds) if t >= start), bounds[0][1])
+        row = result.setdefault(name, {})
+        for role, mib in [*by_role.items(), ("GPU used", used)]:
+            row[role] = max(row.get(role, 0.0), mib)
+    return result
+
+
 def run(args) -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        print("error: no CUDA device (use --dry-run to check the script without one)", file=sys.stderr)
+    if shutil.which("nvidia-smi") is None:
+        print("error: no nvidia-smi: a CUDA machine is needed (--dry-run checks the script without one)",
+              file=sys.stderr)  # fmt: skip
         return 2
-    os.environ.setdefault("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    import torch
     from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.lora.request import LoRARequest
 
-    from learner.engine import build_engine, init_distributed
-    from learner.train import train_step
+    from shared.net import free_port
 
-    mem = DeviceMemory()
-    results: dict = {"gpu": torch.cuda.get_device_name(), "cap_gib": args.gpu_gib, "args": vars(args)}
+    _, _, total_mib = _gpu_processes()
+    args.total_bytes = total_mib * 2**20
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-gpu-"))
-    model_dir, out_dir = work / "model", work / "learner"
-
-    mem.enter("random-init model (CPU) -> disk")
+    model_dir = work / "model"
+    print(f"[bench] random-init model and tokenizer -> {model_dir}", flush=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(model_config(), torch_dtype=torch.bfloat16)
     model.save_pretrained(model_dir)
+    make_tokenizer(model.config.vocab_size).save_pretrained(model_dir)
     del model
-    cfg = tandem_config(args, str(model_dir), str(out_dir))
 
-    mem.enter("vLLM start")
-    max_len = args.prompt_tokens + args.max_tokens
-    llm = LLM(
-        model=str(model_dir),
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=max_len,
-        gpu_memory_utilization=0.9 * args.gpu_gib * 2**30 / mem.total,
-        enable_sleep_mode=True,
-        enable_lora=True,
-        max_lora_rank=args.lora_rank,
-        max_loras=2,
-        enforce_eager=True,
-        seed=0,
+    port = free_port()
+    config = ["--config", str(CONFIG), *(f"--{o}" for o in overrides(args, str(model_dir), work, port))]
+    env = dict(
+        os.environ, TANDEM_API_TOKEN="bench", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1", PYTHONUNBUFFERED="1"
     )
-    groups = synthetic_groups(args, model_config().vocab_size)
-    prompts = [TokensPrompt(prompt_token_ids=g.prompt_token_ids) for g in groups]
-    params = SamplingParams(
-        n=args.group_size,
-        temperature=1.0,
-        max_tokens=args.max_tokens,
-        ignore_eos=True,
-        detokenize=False,
-        logprobs=0,
-    )
+    logs = {name: (work / f"{name}.log").open("wb") for name in ("server", "learner")}
 
-    def rollout(phase: str, lora=None) -> float:
-        mem.enter(phase)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return tokens / dt
+    def start(module: str, name: str):
+        cmd = [sys.executable, "-m", module, *config]
+        out = {"stdout": logs[name], "stderr": subprocess.STDOUT}
+        return subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True, **out)
 
-    rollout("rollout warm-up")
-    results["rollout_tok_s"] = rollout("rollout (base)")
+    started = time.time()
+    server = start("rollout_server", "server")
+    sampler = Sampler({server.pid: "server"})
+    import httpx
 
-    mem.enter("vLLM asleep (level 1)")
-    llm.sleep(level=1)
-    time.sleep(1.0)
-    results["asleep_gib"] = mem.used_gib()
+    healthy_at = None
+    while healthy_at is None:
+        if server.poll() is not None:
+            print((work / "server.log").read_text()[-4000:], file=sys.stderr)
+            return 1
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).raise_for_status()
+            healthy_at = time.time()
+        except httpx.HTTPError:
+            time.sleep(1)
+    print(f"[bench] server healthy after {healthy_at - started:.0f} s; starting the learner", flush=True)
+    learner = start("learner", "learner")
+    sampler.roots[learner.pid] = "learner"
+    learner_at = time.time()
+    rc = learner.wait()
+    sampler.close()
+    server.terminate()
+    server.wait(timeout=120)
+    if rc != 0:
+        print((work / "learner.log").read_text()[-4000:], file=sys.stderr)
+        return 1
 
-    mem.enter("learner build")
-    init_distributed()
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_gib * 2**30 / mem.total))
-    engine = build_engine(cfg, str(model_dir), 1, on_cpu=False)
-    step_s = []
-    for i in range(args.steps):
-        mem.enter(f"learner step {i + 1}")
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        train_step(engine, groups, cfg, 0, 1, pad_id=0)
-        torch.cuda.synchronize()
-        step_s.append(time.perf_counter() - t0)
-    results["step_s"] = step_s
-    results["learner_max_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    adapter = out_dir / "adapters" / "v1"
-    engine.module.save_pretrained(str(adapter))
-    del engine
-    torch.cuda.empty_cache()
+    events = [json.loads(line) for line in (work / "server/events.jsonl").read_text().splitlines()]
+    table = peaks(sampler.samples, phases(events, healthy_at, learner_at))
+    metrics = [json.loads(line) for line in (work / "learner/metrics.jsonl").read_text().splitlines()]
+    cap_mib = args.gpu_gib * 1024
+    # The GPU's own "used" counts every process on it; this run's two are what the cap is about.
+    over = [p for p, row in table.items() if row.get("server", 0) + row.get("learner", 0) > cap_mib]
+    print(f"\n{'phase':<40} {'server':>9} {'learner':>9} {'both':>9} {'GPU used':>9}  (peak MiB)")
+    for name, row in table.items():
+        both = row.get("server", 0) + row.get("learner", 0)
+        print(f"{name:<40} {row.get('server', 0):9.0f} {row.get('learner', 0):9.0f} {both:9.0f} "
+              f"{row['GPU used']:9.0f}{'  OVER THE CAP' if name in over else ''}")  # fmt: skip
 
-    mem.enter("vLLM wake")
-    llm.wake_up()
-    results["rollout_lora_tok_s"] = rollout("rollout (adapter v1)", LoRARequest("policy-v1", 1, str(adapter)))
-    mem.close()
+    def each(key: str, fmt: str) -> str:
+        return ", ".join(format(m[key], fmt) for m in metrics)
 
-    results["peak_gib_by_phase"] = {k: round(v, 2) for k, v in mem.peaks.items()}
-    over = {k: v for k, v in mem.peaks.items() if v > args.gpu_gib}
-    print("\nphase                              peak device memory (GiB)")
-    for k, v in mem.peaks.items():
-        print(f"  {k:<32} {v:6.2f}{'  OVER THE CAP' if k in over else ''}")
-    tokens_step = args.prompts * args.group_size * args.max_tokens
     print(
-        f"\nrollout: {results['rollout_tok_s']:.0f} tok/s base, "
-        f"{results['rollout_lora_tok_s']:.0f} tok/s with the adapter; "
-        f"learner step ({tokens_step} completion tokens): "
-        + ", ".join(f"{s:.1f} s" for s in step_s)
-        + f"; learner max allocated {results['learner_max_allocated_gib']:.2f} GiB"
+        f"\nrollout tok/s per step: {each('perf/rollout_tok_s', '.0f')}; train s per step: "
+        f"{each('perf/train_s', '.1f')}; step s: {each('perf/step_s', '.1f')}"
     )
+    results = {
+        "gpu_mib": total_mib, "cap_gib": args.gpu_gib, "args": {k: v for k, v in vars(args).items()},
+        "peak_mib_by_phase": table, "metrics": metrics, "work_dir": str(work),
+    }  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print("fits" if not over else f"DOES NOT FIT the {args.gpu_gib:g} GiB cap in: {', '.join(over)}")
+    print("fits" if not over else f"DOES NOT FIT {args.gpu_gib:g} GiB in: {', '.join(over)}")
     return 1 if over else 0
 
 
@@ -298,5 +338,5 @@ def main(argv=None) -> int:
     return dry_run(args) if args.dry_run else run(args)
 
 
-if __name__ == "__main__":  # vLLM's engine spawns processes: this guard is required
+if __name__ == "__main__":
     sys.exit(main())

@@ -1,5 +1,6 @@
 """The benchmark scripts' command lines. The GPU benchmark cannot run here; its --dry-run checks the
-arguments and builds the 1.5B model on the meta device."""
+arguments, builds the 1.5B model on the meta device and its tokenizer, and runs the memory preflight on the
+config the product's server and learner would run with."""
 
 import subprocess
 import sys
@@ -20,7 +21,9 @@ def test_gpu_benchmark_dry_run_builds_the_production_model():
         "dry run ok: Qwen2ForCausalLM with 1.777B parameters (28 layers, hidden 1536, vocab 151936)"
         in out.stdout
     )
+    assert "tokenizer of 151936 ids" in out.stdout  # every id the random model samples decodes
     assert "a step = 2 x G=4 completions, 4096 tokens; cap 8 GiB" in out.stdout
+    assert "preflight: the config fits" in out.stdout  # the production config, resized to the run
 
 
 @pytest.mark.parametrize(
@@ -44,3 +47,30 @@ def test_trl_benchmark_checks_the_shared_config_before_starting_anything():
     out = _run("scripts/bench_trl.py", "--lr", "0", timeout=120)
     assert out.returncode == 2
     assert "invalid config: learner.lr: Input should be greater than 0 (got 0.0)" in out.stderr
+
+
+def test_gpu_benchmark_files_each_memory_sample_under_the_phase_the_run_was_in():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "scripts/bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # The server's event log of a time-sliced run: the learner sleeps it to build, wakes it, trains...
+    events = [
+        {"t": 10, "event": "sleep"}, {"t": 20, "event": "wake"}, {"t": 30, "event": "sleep"},
+        {"t": 40, "event": "publish", "version": 1}, {"t": 41, "event": "wake"},
+    ]  # fmt: skip
+    bounds = bench.phases(events, healthy_at=5, learner_at=6)
+    assert [name for _, name in bounds] == [
+        "server start", "server up, learner starting", "learner build (server asleep)",
+        "step 1: rollout (server awake)", "step 1: training", "publish v1 (server asleep)",
+        "step 2: rollout (server awake)",
+    ]  # fmt: skip
+    samples = [  # (time, MiB per process, MiB used on the GPU)
+        (3, {"server": 100}, 200), (12, {"server": 50, "learner": 300}, 400),
+        (25, {"server": 900, "learner": 40}, 1000), (26, {"server": 950, "learner": 30}, 1010),
+        (35, {"learner": 3000}, 3100),
+    ]  # fmt: skip
+    table = bench.peaks(samples, bounds)
+    assert table["step 1: rollout (server awake)"] == {"server": 950, "learner": 40, "GPU used": 1010}
+    assert table["step 1: training"] == {"learner": 3000, "GPU used": 3100}
