@@ -145,3 +145,17 @@ def wait_for(what: str, cond, procs: list[Proc], timeout: float = 600.0) -> None
             assert p.alive(), f"{what}: a process exited early:\n{p.log()[-4000:]}"
         time.sleep(0.2)
     pytest.fail(f"timed out waiting until {what}")
+
+
+def make_nan_adapter(src: Path, out: Path) -> Path:
+    """A copy of the adapter at `src` whose lora_B is all NaN: well-formed, and poison to a sampler."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    weights = load_file(str(out / "adapter_model.safetensors"))
+    weights = {k: torch.full_like(v, float("nan")) if "lora_B" in k else v for k, v in weights.items()}
+    save_file(weights, str(out / "adapter_model.safetensors"))
+    return out

@@ -24,11 +24,19 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from learner.client import ServerError
-from tests.helpers import TOKEN, Proc, jsonl, make_adapter, proc_env, server_args, start_server, wait_for
+from tests.helpers import (
+    TOKEN,
+    Proc,
+    jsonl,
+    make_adapter,
+    make_nan_adapter,
+    proc_env,
+    server_args,
+    start_server,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -259,11 +267,7 @@ def test_server_refuses_bad_adapters_and_unauthenticated_bodies_and_stops_on_tim
 
     good = make_adapter(model_dir, tmp_path / "good", r=8)
     client.publish(1, good)
-    nan = tmp_path / "nan"
-    shutil.copytree(good, nan)
-    w = load_file(str(nan / "adapter_model.safetensors"))
-    w = {k: torch.full_like(v, float("nan")) if "lora_B" in k else v for k, v in w.items()}
-    save_file(w, str(nan / "adapter_model.safetensors"))
+    nan = make_nan_adapter(good, tmp_path / "nan")
     with pytest.raises(ServerError) as e:
         client.publish(2, nan)
     assert e.value.status == 422 and "non-finite" in str(e.value)

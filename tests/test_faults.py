@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Proc, proc_env, server_args, start_server
+from tests.helpers import Proc, jsonl, proc_env, server_args, start_server, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,27 +38,10 @@ LEARNER = [
 ]
 
 
-def _jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _learner(url: str, out: Path, extra: list[str], log: Path) -> Proc:
     args = ["-m", "learner", "--config", "deploy/configs/cpu.toml", *SERVER, *LEARNER]
     args += [f"--learner.server_url={url}", f"--learner.out_dir={out}", *extra]
     return Proc(args, log, env=proc_env(OMP_NUM_THREADS="1"))
-
-
-def _wait_for(what: str, cond, procs: list[Proc], timeout: float = 600.0) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        for p in procs:
-            assert p.alive(), f"{what}: a process exited early:\n{p.log()[-4000:]}"
-        time.sleep(0.2)
-    pytest.fail(f"timed out waiting until {what}")
 
 
 @pytest.fixture
@@ -83,12 +66,12 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, procs, model_dir)
     procs.append(learner)
 
     # Kill right after the wake that follows step 2's publish: the server is generating step 3's groups.
-    _wait_for(
+    wait_for(
         "the server wakes after publishing v2",
         lambda: (
-            [e["event"] for e in _jsonl(events_file) if e["event"] in ("publish", "wake")][-2:]
+            [e["event"] for e in jsonl(events_file) if e["event"] in ("publish", "wake")][-2:]
             == ["publish", "wake"]
-            and any(e["event"] == "publish" and e["version"] == 2 for e in _jsonl(events_file))
+            and any(e["event"] == "publish" and e["version"] == 2 for e in jsonl(events_file))
         ),
         [server, learner],
     )
@@ -98,7 +81,7 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, procs, model_dir)
     cursor_at_kill = json.loads((tmp_path / "server" / "cursor.json").read_text())
 
     # The learner notices at once (its connection is reset), says so, and keeps retrying.
-    _wait_for("the learner reports the dead server", lambda: "retrying in" in learner.log(), [learner], 60)
+    wait_for("the learner reports the dead server", lambda: "retrying in" in learner.log(), [learner], 60)
     assert time.time() - killed_at < 60
     time.sleep(5)  # a few retries' worth of a server that is really gone
     assert learner.alive()
@@ -110,7 +93,7 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, procs, model_dir)
 
     # The restarted server restored v2 from its own adapter store and produced with it before any publish.
     assert "serving policy v2" in restarted.log()
-    after = [e for e in _jsonl(events_file) if e["t"] > killed_at]
+    after = [e for e in jsonl(events_file) if e["t"] > killed_at]
     first_group = next(e for e in after if e["event"] == "group")
     first_publish = next(e for e in after if e["event"] == "publish")
     assert first_group["version"] == 2 and first_group["t"] < first_publish["t"]
@@ -120,7 +103,7 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, procs, model_dir)
     position = (cursor_now["epoch"], cursor_now["position"])
     assert position > (cursor_at_kill["epoch"], cursor_at_kill["position"])
 
-    trained = _jsonl(out / "groups.jsonl")
+    trained = jsonl(out / "groups.jsonl")
     assert [t["step"] for t in trained] == [1, 2, 3, 4]
     ids = [g["group_id"] for t in trained for g in t["groups"]]
     prompts = [g["prompt_id"] for t in trained for g in t["groups"]]
@@ -136,11 +119,11 @@ def test_sigterm_stops_both_processes_cleanly(tmp_path, procs, model_dir):
     learner = _learner(client.url, out, ["--learner.steps=50"], tmp_path / "learner.log")
     procs.append(learner)
     metrics = out / "metrics.jsonl"
-    _wait_for("the learner finishes step 1", lambda: len(_jsonl(metrics)) >= 1, [server, learner])
+    wait_for("the learner finishes step 1", lambda: len(jsonl(metrics)) >= 1, [server, learner])
 
     learner.signal(signal.SIGTERM)
     assert learner.wait(timeout=300) == 0, learner.log()[-4000:]
-    step = len(_jsonl(metrics))
+    step = len(jsonl(metrics))
     assert "(stopped by signal)" in learner.log()
     assert (out / "checkpoints" / "latest").read_text() == f"step-{step}"
     assert client.health().policy_version == step  # the step it finished was published before it left
@@ -158,15 +141,15 @@ def test_sigterm_while_the_server_is_gone_checkpoints_and_exits(tmp_path, procs,
     out = tmp_path / "run"
     learner = _learner(client.url, out, ["--learner.steps=50"], tmp_path / "learner.log")
     procs.append(learner)
-    _wait_for("the learner finishes step 1", lambda: len(_jsonl(out / "metrics.jsonl")) >= 1, [learner])
+    wait_for("the learner finishes step 1", lambda: len(jsonl(out / "metrics.jsonl")) >= 1, [learner])
     server.signal(signal.SIGKILL)
     server.wait(timeout=30)
-    _wait_for("the learner reports the dead server", lambda: "retrying in" in learner.log(), [learner], 120)
+    wait_for("the learner reports the dead server", lambda: "retrying in" in learner.log(), [learner], 120)
 
     learner.signal(signal.SIGTERM)
     assert learner.wait(timeout=120) == 0, learner.log()[-4000:]
     step = int((out / "checkpoints" / "latest").read_text().removeprefix("step-"))
-    assert step == len(_jsonl(out / "metrics.jsonl"))
+    assert step == len(jsonl(out / "metrics.jsonl"))
     assert "stop requested while the rollout server was unreachable" in learner.log()
 
     # A restarted server and --resume pick the run up where it stopped.
@@ -176,6 +159,6 @@ def test_sigterm_while_the_server_is_gone_checkpoints_and_exits(tmp_path, procs,
     procs.append(resumed)
     assert resumed.wait(timeout=600) == 0, resumed.log()[-4000:]
     assert f"at step {step}, policy v{step}" in resumed.log()
-    assert [r["step"] for r in _jsonl(out / "metrics.jsonl")] == list(range(1, step + 2))
-    ids = [g["group_id"] for t in _jsonl(out / "groups.jsonl") for g in t["groups"]]
+    assert [r["step"] for r in jsonl(out / "metrics.jsonl")] == list(range(1, step + 2))
+    ids = [g["group_id"] for t in jsonl(out / "groups.jsonl") for g in t["groups"]]
     assert len(ids) == len(set(ids))

@@ -13,14 +13,12 @@ import time
 
 import httpx
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from learner.client import ServerError
 from shared.config import load_config
 from shared.datasets import chat_prompt_ids, load_problems
 from shared.reward import verify
-from tests.helpers import TOKEN, make_adapter, start_server
+from tests.helpers import TOKEN, make_adapter, make_nan_adapter, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -149,13 +147,8 @@ def test_versions_only_move_forward_and_bad_adapters_change_nothing(server, adap
 
     # Well-formed but poisoned: all-NaN lora_B made the sampler fail at its first token (and the server
     # answer 503 for good). Refused for what it holds; production goes on with v1.
-    nan = tmp_path / "nan"
-    shutil.copytree(adapter_dir, nan)
-    weights = load_file(str(nan / "adapter_model.safetensors"))
-    weights = {k: torch.full_like(v, float("nan")) if "lora_B" in k else v for k, v in weights.items()}
-    save_file(weights, str(nan / "adapter_model.safetensors"))
     with pytest.raises(ServerError) as e:
-        client.publish(2, nan)
+        client.publish(2, make_nan_adapter(adapter_dir, tmp_path / "nan"))
     assert e.value.status == 422 and "non-finite value" in str(e.value)
 
     assert client.health().policy_version == 1
