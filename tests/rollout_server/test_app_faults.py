@@ -176,3 +176,39 @@ def test_a_batch_the_engine_aborted_is_made_again_not_queued(tmp_path, monkeypat
     assert [g["prompt_id"] for g in r.json()["groups"]] == [PROBLEMS[i].id for i in order[:2]]
     assert backend.calls[:2] == [(2, 4), (2, 4)]  # the same batch, twice
     assert health.status_code == 200
+
+
+def test_serve_exits_1_when_the_producer_dies_so_a_supervisor_restarts_it(tmp_path, monkeypatch):
+    """The whole serve(): uvicorn on a free port, the real model's folder and data, a fake engine whose
+    second batch fails as a dead engine core would. The process must end (code 1), not linger on 503."""
+    import signal
+
+    import rollout_server.backend as backend_module
+    from rollout_server.app import serve
+    from shared.net import free_port
+
+    async def fake_backend(cfg, model_path):
+        return FakeBackend(fail_after=1)
+
+    monkeypatch.setattr(backend_module, "make_backend", fake_backend)
+    monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
+    cfg = TandemConfig.model_validate(
+        {
+            "data": {"task": "arith"},
+            "sampling": {"group_size": 4},
+            "server": {"state_dir": str(tmp_path), "port": free_port(), "backend": "hf"},
+        }
+    )
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM)}
+
+    def too_long(signum, frame):
+        raise TimeoutError("serve() was still running 60 s after its producer died")
+
+    signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(60)  # a serve() that never returns would hang the suite: fail it instead
+    try:
+        assert serve(cfg) == 1
+    finally:
+        signal.alarm(0)
+        for s, h in handlers.items():
+            signal.signal(s, h)
