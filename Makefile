@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup model test test-fast demo lint
+.PHONY: setup model test test-fast demo lint compose-smoke
 
 setup:            ## build .venv with the CPU stack (idempotent; a no-op when up to date)
 	@bash scripts/bootstrap.sh
@@ -22,3 +22,6 @@ demo: model       ## train SmolLM2 with GRPO on CPU and show it learn (see READM
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+compose-smoke: setup  ## build the CPU image and run deploy/compose.cpu.yml for real (root; installs Docker)
+	bash scripts/compose_smoke.sh
