@@ -147,9 +147,3 @@ class LeaseQueue:
                 del self._expired[k]
         self.expired_total += returned
         return returned
-
-    def drain_leased(self) -> None:
-        """Return every leased group to the queue now (server shutdown: state is persisted as queued)."""
-        for lease in self._leases.values():
-            self._ready.extendleft(reversed(lease.groups))
-        self._leases.clear()

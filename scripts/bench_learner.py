@@ -19,10 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from shared.net import free_port
 
-from shared.net import free_port  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run(world: int, groups: Path, args, work: Path) -> list[dict]:

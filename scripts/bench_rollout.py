@@ -17,11 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from shared.config import load_config  # noqa: E402
-from shared.datasets import chat_prompt_ids, load_gsm8k  # noqa: E402
-from shared.models import resolve_model  # noqa: E402
+from shared.config import load_config
+from shared.datasets import chat_prompt_ids, load_gsm8k
+from shared.models import resolve_model
 
 
 async def measure(backend_name: str, args) -> float:

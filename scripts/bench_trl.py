@@ -24,12 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from learner.client import RolloutClient
+from shared.config import ConfigError, load_config
+from shared.net import free_port
 
-from learner.client import RolloutClient  # noqa: E402
-from shared.config import ConfigError, load_config  # noqa: E402
-from shared.net import free_port  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def overrides(args) -> list[str]:

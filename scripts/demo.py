@@ -19,13 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from learner.client import RolloutClient
+from learner.evaluate import evaluate
+from shared.config import load_config
+from shared.net import free_port
 
-from learner.client import RolloutClient  # noqa: E402
-from learner.evaluate import evaluate  # noqa: E402
-from shared.config import load_config  # noqa: E402
-from shared.net import free_port  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def start(args: list[str], log: Path, env: dict) -> subprocess.Popen:
