@@ -407,32 +407,30 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
                 f"{cfg.sampling.group_size}: start both from the same config"
             )
 
-    engine, offload = build_beside_server(
-        client, cfg, shares_gpu, lambda: build_engine(cfg, model_path, world, on_cpu), log
-    )
-    device = next(p.device for p in engine.module.parameters() if p.requires_grad)
-    from transformers import AutoTokenizer
+    try:  # from here on the server may be asleep for us: whatever stops us must not leave it so
+        engine, offload = build_beside_server(
+            client, cfg, shares_gpu, lambda: build_engine(cfg, model_path, world, on_cpu), log
+        )
+        device = next(p.device for p in engine.module.parameters() if p.requires_grad)
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    state = ckpt.resume(engine, out, rank) if resume else ckpt.State()
-    if lead:
-        ckpt.truncate_records(out, state.step, log)
-        ckpt.save_config(cfg, out)
-    if lead and not replay:
-        ckpt.sync_server(client, engine, state, out, log)
-    state = broadcast_object(state)  # sync_server may have moved the version on rank 0
-    digest_start = ckpt.base_digest(engine) if lead else None
-    sink = MetricsSink(out, cfg.learner.steps, enabled=lead)
-    log(
-        f"steps {state.step + 1}..{cfg.learner.steps}, {world} process(es), {cfg.learner.placement} placement"
-    )
-
-    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        state = ckpt.resume(engine, out, rank) if resume else ckpt.State()
+        if lead:
+            ckpt.truncate_records(out, state.step, log)
+            ckpt.save_config(cfg, out)
+        if lead and not replay:
+            ckpt.sync_server(client, engine, state, out, log)
+        state = broadcast_object(state)  # sync_server may have moved the version on rank 0
+        digest_start = ckpt.base_digest(engine) if lead else None
+        sink = MetricsSink(out, cfg.learner.steps, enabled=lead)
+        placement = cfg.learner.placement
+        log(f"steps {state.step + 1}..{cfg.learner.steps}, {world} process(es), {placement} placement")
         run = _Run(cfg, engine, client, offload, device, out, sink, stop, rank, world, pad_id, log)
         _loop(run, state)
     except BaseException:
-        if client is not None:  # whatever stopped us, the server must not stay asleep waiting for a wake
+        if client is not None:
             client.retry_s = 0.0
             with contextlib.suppress(ServerError, Interrupted):
                 client.wake()
