@@ -46,9 +46,9 @@ def linear_modules(model_path: str) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def linear_module_names(model_path: str) -> frozenset[str]:
-    """Short names of those weights (q_proj, ...); the standard set when the model is not on disk."""
-    return frozenset(m.rsplit(".", 1)[-1] for m in linear_modules(model_path)) or STANDARD_TARGETS
+def target_names(shapes: dict[str, tuple[int, int]]) -> frozenset[str]:
+    """Short names of those modules (q_proj, ...); the standard set when the model is not on disk."""
+    return frozenset(m.rsplit(".", 1)[-1] for m in shapes) or STANDARD_TARGETS
 
 
 def safetensors_header(data: bytes, what: str = WEIGHTS) -> dict[str, dict]:

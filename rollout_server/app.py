@@ -24,12 +24,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout_server.adapters import (
     CONFIG,
-    STANDARD_TARGETS,
     WEIGHTS,
     AdapterRejected,
     AdapterStore,
     linear_modules,
     resolve_under,
+    target_names,
     validate_adapter,
     validate_folder,
 )
@@ -61,7 +61,7 @@ class Server:
         shapes = linear_modules(model_path)
         self.adapter_checks = {
             "max_rank": cfg.server.max_lora_rank,
-            "allowed_targets": frozenset(m.rsplit(".", 1)[-1] for m in shapes) or STANDARD_TARGETS,
+            "allowed_targets": target_names(shapes),
             "shapes": shapes,
         }
         self.policy = Policy(backend, self.store, lambda f: validate_folder(f, **self.adapter_checks))
