@@ -353,8 +353,8 @@ def sync_server(client: RolloutClient, engine, state: State, out: Path, log) -> 
             f"Groups made by v{served} and older are dropped as stale"
         )
         state.version = state.floor_version = served + 1
-    folder = out / "adapters" / f"v{state.version}"
-    if not folder.is_dir():
-        folder = save_adapter(engine, out, state.version)
+    # Saved from the weights just loaded, never taken from disk: after a jump, adapters/v<N> may hold the
+    # weights of a step that the resumed checkpoint does not (one trained after it, then pointed back).
+    folder = save_adapter(engine, out, state.version)
     client.publish(state.version, folder)
     log(f"published v{state.version} to the server (it served v{served})")
