@@ -72,6 +72,32 @@ class Proc:
         self._log.close()
 
 
+# A small run of cpu.toml that end-to-end tests share: G = 4, two prompts per step in one micro-batch
+# each, no dynamic sampling (so a step's groups are exactly the first two pulled). Later overrides win.
+SMALL_RUN = [
+    "--sampling.group_size=4",
+    "--server.prompts_per_batch=2",
+    "--data.arith_difficulty=2",  # ~35 % greedy accuracy: most groups carry a learning signal
+]
+SMALL_LEARNER = [
+    "--learner.prompts_per_step=2",
+    "--learner.micro_batch_size=4",
+    "--learner.grad_accum=2",
+    "--learner.dynamic_sampling=false",
+    "--learner.pull_wait_s=120",
+    "--learner.lr=2e-4",
+]
+
+
+def start_learner(
+    url: str, out: Path, log: Path, args: list[str], launcher: list[str] = (), **env: str
+) -> Proc:
+    """`python -m learner` on cpu.toml with `args`, against the server at `url`, writing to `out`."""
+    cmd = [*launcher, "-m", "learner", "--config", "deploy/configs/cpu.toml", *args]
+    cmd += [f"--learner.server_url={url}", f"--learner.out_dir={out}"]
+    return Proc(cmd, log, env=proc_env(OMP_NUM_THREADS="1", **env))
+
+
 def server_args(config: str, port: int, state_dir: Path, overrides: list[str]) -> list[str]:
     return [
         "-m",

@@ -27,6 +27,8 @@ import pytest
 
 from learner.client import ServerError
 from tests.helpers import (
+    SMALL_LEARNER,
+    SMALL_RUN,
     TOKEN,
     Proc,
     jsonl,
@@ -34,6 +36,7 @@ from tests.helpers import (
     make_nan_adapter,
     proc_env,
     server_args,
+    start_learner,
     start_server,
     wait_for,
 )
@@ -41,21 +44,14 @@ from tests.helpers import (
 pytestmark = pytest.mark.slow
 
 SERVER = [
+    *SMALL_RUN,
     "--server.backend=hf",
-    "--sampling.group_size=4",
     "--sampling.max_new_tokens=32",
-    "--server.prompts_per_batch=2",
     "--server.queue_size=4",
     "--server.lease_s=600",
-    "--data.arith_difficulty=2",
 ]
 LEARNER = [
-    "--learner.prompts_per_step=2",
-    "--learner.micro_batch_size=4",
-    "--learner.grad_accum=2",
-    "--learner.dynamic_sampling=false",
-    "--learner.pull_wait_s=120",
-    "--learner.lr=2e-4",
+    *SMALL_LEARNER,
     "--learner.checkpoint_every=10",  # the shipped value: kills fall between the kept checkpoints
     "--learner.server_retry_s=60",
 ]
@@ -70,10 +66,8 @@ def procs():
 
 
 def _learner(url: str, out: Path, log: Path, *extra: str, crash_at: str | None = None) -> Proc:
-    args = ["-m", "learner", "--config", "deploy/configs/cpu.toml", *SERVER, *LEARNER]
-    args += [f"--learner.server_url={url}", f"--learner.out_dir={out}", *extra]
-    env = proc_env(OMP_NUM_THREADS="1", **({"TANDEM_CRASH_AT": crash_at} if crash_at else {}))
-    return Proc(args, log, env=env)
+    env = {"TANDEM_CRASH_AT": crash_at} if crash_at else {}
+    return start_learner(url, out, log, [*SERVER, *LEARNER, *extra], **env)
 
 
 def _trained_once(out: Path, steps: list[int]) -> list[str]:

@@ -13,35 +13,31 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import Proc, jsonl, proc_env, server_args, start_server, wait_for
+from tests.helpers import (
+    SMALL_LEARNER,
+    SMALL_RUN,
+    Proc,
+    jsonl,
+    server_args,
+    start_learner,
+    start_server,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
 SERVER = [
+    *SMALL_RUN,
     "--server.backend=hf",
-    "--sampling.group_size=4",
     "--sampling.max_new_tokens=32",
-    "--server.prompts_per_batch=2",
     "--server.queue_size=4",
     "--server.lease_s=300",
-    "--data.arith_difficulty=2",
 ]
-LEARNER = [
-    "--learner.prompts_per_step=2",
-    "--learner.micro_batch_size=4",
-    "--learner.grad_accum=2",
-    "--learner.dynamic_sampling=false",
-    "--learner.pull_wait_s=120",
-    "--learner.lr=2e-4",
-    "--learner.checkpoint_every=1",
-    "--learner.server_retry_s=600",
-]
+LEARNER = [*SMALL_LEARNER, "--learner.checkpoint_every=1", "--learner.server_retry_s=600"]
 
 
 def _learner(url: str, out: Path, extra: list[str], log: Path) -> Proc:
-    args = ["-m", "learner", "--config", "deploy/configs/cpu.toml", *SERVER, *LEARNER]
-    args += [f"--learner.server_url={url}", f"--learner.out_dir={out}", *extra]
-    return Proc(args, log, env=proc_env(OMP_NUM_THREADS="1"))
+    return start_learner(url, out, log, [*SERVER, *LEARNER, *extra])
 
 
 @pytest.fixture

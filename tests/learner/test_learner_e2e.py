@@ -13,25 +13,18 @@ import torch
 from safetensors.torch import load_file
 
 from learner.metrics import STEP_KEYS
-from tests.helpers import Proc, free_port, proc_env, start_server
+from tests.helpers import SMALL_LEARNER, SMALL_RUN, Proc, free_port, start_learner, start_server
 
 pytestmark = pytest.mark.slow
 
 SERVER = [
-    "--sampling.group_size=4",
+    *SMALL_RUN,
     "--sampling.max_new_tokens=48",
-    "--server.prompts_per_batch=2",
     "--server.queue_size=6",
     "--server.lease_s=60",
-    "--data.arith_difficulty=2",  # ~35 % greedy accuracy: most groups carry a learning signal
 ]
 LEARNER = [
-    "--learner.prompts_per_step=2",
-    "--learner.micro_batch_size=4",
-    "--learner.grad_accum=2",
-    "--learner.dynamic_sampling=false",
-    "--learner.pull_wait_s=120",
-    "--learner.lr=2e-4",
+    *SMALL_LEARNER,
     "--grpo.beta=0.04",  # the KL term and its metric (cpu.toml turns it off for speed)
 ]
 # Two processes vs one on the same groups, fp32: the gradients agree to float rounding, and Adam's first
@@ -48,22 +41,8 @@ def server(tmp_path_factory, model_dir):
     proc.stop()
 
 
-def learner(
-    server_url: str, out: Path, extra: list[str], log: Path, launcher: list[str] | None = None
-) -> Proc:
-    args = [
-        *(launcher or []),
-        "-m",
-        "learner",
-        "--config",
-        "deploy/configs/cpu.toml",
-        *SERVER,
-        *LEARNER,
-        f"--learner.server_url={server_url}",
-        f"--learner.out_dir={out}",
-        *extra,
-    ]
-    return Proc(args, log, env=proc_env(OMP_NUM_THREADS="1"))
+def learner(server_url: str, out: Path, extra: list[str], log: Path, launcher: list[str] = ()) -> Proc:
+    return start_learner(server_url, out, log, [*SERVER, *LEARNER, *extra], launcher)
 
 
 def _jsonl(path: Path) -> list[dict]:
