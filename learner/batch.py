@@ -3,7 +3,7 @@ step's completions into this rank's micro-batches. Token ids are used exactly as
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -55,8 +55,14 @@ def shard(seqs: list[Sequence], rank: int, world: int, micro: int) -> list[list[
     return [mine[i : i + micro] for i in range(0, len(mine), micro)]
 
 
+class _Tensors:
+    def to(self, device):
+        """The same batch with every tensor on `device` (the model's: the batch is built on the host)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
 @dataclass
-class MicroBatch:
+class MicroBatch(_Tensors):
     input_ids: torch.Tensor  # [n, L] prompt + completion, right-padded
     attention_mask: torch.Tensor  # [n, L]
     positions: torch.Tensor  # [n, T] index into the shifted logprobs [n, L-1] of each completion token
@@ -65,24 +71,92 @@ class MicroBatch:
     advantages: torch.Tensor  # [n]
 
 
+def _per_completion(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(mask [n, T], sampler log-probs [n, T], advantages [n]), right-padded to the longest completion."""
+    T = max(len(s.completion) for s in batch)
+    mask = torch.zeros((len(batch), T), dtype=torch.float32)
+    sampler = torch.zeros((len(batch), T), dtype=torch.float32)
+    for i, s in enumerate(batch):
+        mask[i, : len(s.completion)] = 1.0
+        sampler[i, : len(s.completion)] = torch.tensor(s.sampler_logprobs)
+    return mask, sampler, torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+
+
 def collate(batch: list[Sequence], pad_id: int) -> MicroBatch:
     L = max(len(s.prompt) + len(s.completion) for s in batch)
-    T = max(len(s.completion) for s in batch)
-    n = len(batch)
+    mask, sampler, advantages = _per_completion(batch)
+    n, T = mask.shape
     input_ids = torch.full((n, L), pad_id, dtype=torch.long)
     attention = torch.zeros((n, L), dtype=torch.long)
     positions = torch.zeros((n, T), dtype=torch.long)
-    mask = torch.zeros((n, T), dtype=torch.float32)
-    sampler = torch.zeros((n, T), dtype=torch.float32)
     for i, s in enumerate(batch):
         ids = s.prompt + s.completion
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention[i, : len(ids)] = 1
-        c = len(s.completion)
         # Token t of the completion sits at input position len(prompt) + t and is predicted by the
         # logits at position len(prompt) + t - 1, i.e. entry len(prompt) + t - 1 of the shifted logprobs.
-        positions[i, :c] = torch.arange(len(s.prompt) - 1, len(s.prompt) - 1 + c)
-        mask[i, :c] = 1.0
-        sampler[i, :c] = torch.tensor(s.sampler_logprobs)
-    advantages = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+        positions[i, : len(s.completion)] = torch.arange(
+            len(s.prompt) - 1, len(s.prompt) - 1 + len(s.completion)
+        )
     return MicroBatch(input_ids, attention, positions, mask, sampler, advantages)
+
+
+@dataclass
+class PackedBatch(_Tensors):
+    """A micro-batch with each prompt encoded once (learner.shared_prompt): consecutive completions that
+    share a prompt sit back to back behind one copy of it in one row, each attending to the prompt and to
+    its own earlier tokens only, with positions that continue after the prompt as if it were alone. The
+    forward computes logits only at `keep`, the positions that predict a completion token."""
+
+    input_ids: torch.Tensor  # [R, L] prompt, completion 1, completion 2, ...; right-padded
+    position_ids: torch.Tensor  # [R, L] 0..P-1 on the prompt, P..P+C_i-1 on completion i
+    allowed: torch.Tensor  # [R, L, L] bool: query i may attend to key j
+    keep: torch.Tensor  # [K] positions whose logits are computed, the union over rows
+    rows: torch.Tensor  # [Q] per real completion token (row-major over [n, T]): its row in [R*K] logits
+    targets: torch.Tensor  # [Q] the completion tokens themselves
+    mask: torch.Tensor  # [n, T] as MicroBatch
+    sampler_logprobs: torch.Tensor  # [n, T]
+    advantages: torch.Tensor  # [n]
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """[R, 1, L, L]: 0 where attended, the dtype's minimum elsewhere (eager and SDPA both add it)."""
+        zeros = torch.zeros(self.allowed.shape, dtype=dtype, device=self.allowed.device)
+        return zeros.masked_fill(~self.allowed, torch.finfo(dtype).min)[:, None]
+
+
+def pack(batch: list[Sequence], pad_id: int) -> PackedBatch:
+    """The same completions as collate(batch), in the same order, packed by prompt (see PackedBatch)."""
+    runs: list[list[Sequence]] = []
+    for s in batch:  # consecutive completions with the same prompt share a row
+        if runs and runs[-1][0].prompt == s.prompt:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    L = max(len(r[0].prompt) + sum(len(s.completion) for s in r) for r in runs)
+    R = len(runs)
+    input_ids = torch.full((R, L), pad_id, dtype=torch.long)
+    position_ids = torch.zeros((R, L), dtype=torch.long)
+    segment = torch.full((R, L), -1, dtype=torch.long)  # 0 prompt, i+1 completion i, -1 padding
+    predictors: list[tuple[int, int]] = []  # (row, position) of the logits predicting each token
+    for r, run in enumerate(runs):
+        P = len(run[0].prompt)
+        input_ids[r, :P] = torch.tensor(run[0].prompt)
+        position_ids[r, :P] = torch.arange(P)
+        segment[r, :P] = 0
+        start = P
+        for i, s in enumerate(run):
+            C = len(s.completion)
+            input_ids[r, start : start + C] = torch.tensor(s.completion)
+            position_ids[r, start : start + C] = torch.arange(P, P + C)
+            segment[r, start : start + C] = i + 1
+            # Token 0 is predicted by the prompt's last position, token t > 0 by the one before it.
+            predictors += [(r, P - 1)] + [(r, start + t - 1) for t in range(1, C)]
+            start += C
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    same = segment[:, :, None] == segment[:, None, :]  # [R, L, L]
+    allowed = causal & (same | (segment[:, None, :] == 0))  # own segment, or the prompt
+    keep = torch.tensor(sorted({p for _, p in predictors}), dtype=torch.long)
+    where = torch.searchsorted(keep, torch.tensor([p for _, p in predictors], dtype=torch.long))
+    rows = torch.tensor([r for r, _ in predictors], dtype=torch.long) * len(keep) + where
+    targets = torch.tensor([t for s in batch for t in s.completion], dtype=torch.long)
+    return PackedBatch(input_ids, position_ids, allowed, keep, rows, targets, *_per_completion(batch))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from shared.config import TandemConfig
+from shared.config import ConfigError, TandemConfig
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -48,7 +48,11 @@ def deepspeed_config(cfg: TandemConfig, world_size: int, on_cpu: bool, num_train
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    return _merge(config, ds.overrides)
+    config = _merge(config, ds.overrides)
+    if str(config["optimizer"].get("type", "")).lower() not in ("adam", "adamw"):
+        # another optimizer named in deepspeed.overrides (a torch.optim class) takes no torch_adam
+        config["optimizer"].get("params", {}).pop("torch_adam", None)
+    return config
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -95,6 +99,12 @@ def build_engine(cfg: TandemConfig, model_path: str, world_size: int, on_cpu: bo
 
     dtype = _DTYPES["bfloat16" if cfg.deepspeed.bf16 else "float32"]
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    attention = base.config._attn_implementation
+    if cfg.learner.shared_prompt and attention not in ("sdpa", "eager"):
+        raise ConfigError(
+            f"learner.shared_prompt packs a group's completions behind one prompt with a custom attention "
+            f"mask, which {attention} attention cannot take: set learner.shared_prompt=false"
+        )
     lora = LoraConfig(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
@@ -109,6 +119,10 @@ def build_engine(cfg: TandemConfig, model_path: str, world_size: int, on_cpu: bo
     trainable = [p for p in model.parameters() if p.requires_grad]
     config = deepspeed_config(cfg, world_size, on_cpu, sum(p.numel() for p in trainable))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=trainable, config=config)
+    # from_pretrained leaves the model in eval mode, where transformers skips gradient checkpointing
+    # (it checkpoints only `if self.gradient_checkpointing and self.training`): learner.gradient_checkpointing
+    # did nothing until this line. Training mode also applies lora.dropout, which is meant.
+    engine.train()
     return engine
 
 
@@ -136,9 +150,11 @@ def move_frozen(module, device) -> int:
 
 @contextmanager
 def reference_policy(engine):
-    """The base model: the same weights with the adapter switched off, and no autograd."""
-    with torch.no_grad(), engine.module.disable_adapter():
-        yield engine.module
+    """The base model: the same weights with the adapter switched off, and no autograd. Takes the
+    DeepSpeed engine or the PeftModel itself."""
+    module = getattr(engine, "module", engine)
+    with torch.no_grad(), module.disable_adapter():
+        yield module
 
 
 def save_checkpoint(engine, folder: Path, client_state: dict) -> None:

@@ -200,35 +200,54 @@ def grpo_loss(
 
 
 class _ChunkedTokenLogprob(torch.autograd.Function):
-    """log softmax(logits)[token] in fp32, one chunk of rows at a time, saving only the logits.
+    """log softmax(logits[row])[token] in fp32, one chunk of picks at a time, saving only the logits.
 
     Autograd through a plain chunked loop would keep every chunk's fp32 [rows, V] intermediates alive
     for backward, which is exactly the memory chunking is meant to save; the backward here recomputes
     softmax per chunk: with z = logits / τ, d logp / d logits = (onehot(token) - softmax(z)) / τ.
+    `rows` None: pick i reads logits row i; else row rows[i], and a row read by several picks (the last
+    prompt position of a packed group predicts every completion's first token) sums their gradients.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, token_ids: Tensor, chunk_size: int, temperature: float) -> Tensor:
-        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)  # [R]
-        for s in range(0, logits.shape[0], chunk_size):
-            chunk = logits[s : s + chunk_size].float() / temperature  # [c, V]: upcast, then divide
+    def forward(
+        ctx, logits: Tensor, rows: Tensor | None, token_ids: Tensor, chunk_size: int, temperature: float
+    ):
+        out = torch.empty(token_ids.shape[0], dtype=torch.float32, device=logits.device)  # [Q]
+        for s in range(0, token_ids.shape[0], chunk_size):
+            picked_rows = logits[s : s + chunk_size] if rows is None else logits[rows[s : s + chunk_size]]
+            chunk = picked_rows.float() / temperature  # [c, V]: upcast, then divide
             picked = chunk.gather(-1, token_ids[s : s + chunk_size, None]).squeeze(-1)
             out[s : s + chunk_size] = picked - torch.logsumexp(chunk, dim=-1)
-        ctx.save_for_backward(logits, token_ids)
+        ctx.save_for_backward(logits, rows, token_ids)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):  # [R] -> [R, V]
-        logits, token_ids = ctx.saved_tensors
+    def backward(ctx, grad_out: Tensor):  # [Q] -> [M, V]
+        logits, rows, token_ids = ctx.saved_tensors
         c, t = ctx.chunk_size, ctx.temperature
-        grad = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], c):
+        grad = torch.empty_like(logits) if rows is None else torch.zeros_like(logits)
+        for s in range(0, token_ids.shape[0], c):
+            picked_rows = logits[s : s + c] if rows is None else logits[rows[s : s + c]]
             g = grad_out[s : s + c, None].float() / t  # [c, 1]
-            chunk_grad = -torch.softmax(logits[s : s + c].float() / t, dim=-1) * g
+            chunk_grad = -torch.softmax(picked_rows.float() / t, dim=-1) * g
             chunk_grad.scatter_add_(-1, token_ids[s : s + c, None], g)
-            grad[s : s + c] = chunk_grad.to(grad.dtype)
-        return grad, None, None, None
+            if rows is None:
+                grad[s : s + c] = chunk_grad.to(grad.dtype)
+            else:
+                grad.index_add_(0, rows[s : s + c], chunk_grad.to(grad.dtype))
+        return grad, None, None, None, None
+
+
+def _entropy(logits: Tensor, rows: Tensor | None, n: int, chunk_size: int, temperature: float) -> Tensor:
+    out = torch.empty(n, dtype=torch.float32, device=logits.device)
+    with torch.no_grad():
+        for s in range(0, n, chunk_size):
+            picked_rows = logits[s : s + chunk_size] if rows is None else logits[rows[s : s + chunk_size]]
+            lp = torch.log_softmax(picked_rows.float() / temperature, dim=-1)  # [c, V]
+            out[s : s + chunk_size] = -(lp.exp() * lp).sum(-1)
+    return out
 
 
 def token_logprobs(
@@ -245,10 +264,15 @@ def token_logprobs(
     N, T, V = logits.shape
     flat = logits.reshape(N * T, V)  # [N*T, V]
     ids = token_ids.reshape(N * T).long()
-    logprobs = _ChunkedTokenLogprob.apply(flat, ids, chunk_size, temperature).view(N, T)
-    with torch.no_grad():
-        entropy = torch.empty(N * T, dtype=torch.float32, device=logits.device)
-        for s in range(0, N * T, chunk_size):
-            lp = torch.log_softmax(flat[s : s + chunk_size].float() / temperature, dim=-1)  # [c, V]
-            entropy[s : s + chunk_size] = -(lp.exp() * lp).sum(-1)
-    return logprobs, entropy.view(N, T)
+    logprobs = _ChunkedTokenLogprob.apply(flat, None, ids, chunk_size, temperature).view(N, T)
+    return logprobs, _entropy(flat, None, N * T, chunk_size, temperature).view(N, T)
+
+
+def picked_logprobs(
+    logits: Tensor, rows: Tensor, token_ids: Tensor, *, chunk_size: int = 256, temperature: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """[M, V] logits, [Q] row of each pick, [Q] ids -> (logprobs [Q] with grad, entropy [Q] detached):
+    token_ids[i]'s log-prob under softmax(logits[rows[i]] / temperature), chunked as token_logprobs."""
+    ids = token_ids.long()
+    logprobs = _ChunkedTokenLogprob.apply(logits, rows, ids, chunk_size, temperature)
+    return logprobs, _entropy(logits, rows, ids.shape[0], chunk_size, temperature)

@@ -8,7 +8,9 @@ offloaded to CPU (weight + grad; master and moments live in host RAM). With LoRA
 trainable and the reference policy costs nothing (the adapter is disabled, no second copy). Activations
 follow Korthikanti et al. 2022 (34·s·h bytes per layer in 16-bit without recomputation, plus 5·a·s² for
 attention scores unless a fused attention kernel is used, which vLLM and PyTorch SDPA are); with
-gradient checkpointing only each layer's input (2·s·h) is kept, plus one layer recomputed. The model's
+gradient checkpointing only each layer's input (2·s·h) is kept, plus one layer recomputed. With
+learner.shared_prompt the tokens are the packed ones (each prompt once per micro-batch) and logits exist
+only where a completion token is scored. The model's
 dimensions come from its config.json, which needs no weights (a hub id is read from the local HF cache or
 fetched; `--dims` takes them by hand).
 """
@@ -89,13 +91,25 @@ def estimate(cfg: TandemConfig, d: Dims, prompt_tokens: int = 256) -> dict[str, 
         f"LoRA slots (max_loras={cfg.server.max_loras})": 2 * L * cfg.server.max_loras,
         "CUDA context + vLLM buffers": CUDA_CONTEXT + VLLM_OVERHEAD,
     }
-    act_layer = 34 * s * b * d.hidden  # fused attention: no s^2 term
+    new, G = cfg.sampling.max_new_tokens, cfg.sampling.group_size
+    if cfg.learner.shared_prompt:
+        # Packed: one row per prompt in the micro-batch (ceil(b/G) when G divides b, else the groups a
+        # window of b completions can touch), holding the prompt once and its completions back to back;
+        # logits only at the positions that predict a completion token; a custom [L, L] mask per row
+        # (bool + 16-bit additive), which SDPA reads without materialising the scores.
+        rows = b // G if b % G == 0 else (b + G - 2) // G + 1
+        tokens, scored = rows * prompt_tokens + b * new, b * new + rows
+        row_len = prompt_tokens + min(b, G) * new
+        mask = {"attention masks (packed rows: bool + bf16)": 3 * rows * row_len**2}
+    else:
+        tokens, scored, mask = b * s, b * s, {}  # one padded row per completion, logits everywhere
+    act_layer = 34 * tokens * d.hidden  # fused attention: no s^2 term
     activations = (
-        d.layers * 2 * s * b * d.hidden + act_layer
+        d.layers * 2 * tokens * d.hidden + act_layer
         if cfg.learner.gradient_checkpointing
         else d.layers * act_layer
     )
-    chunk = min(cfg.learner.logprob_chunk_size, s * b)
+    chunk = min(cfg.learner.logprob_chunk_size, scored)
     offload = cfg.deepspeed.offload_optimizer
     learner = {
         "base weights (bf16, frozen: 2 B/param)": weights,
@@ -103,8 +117,9 @@ def estimate(cfg: TandemConfig, d: Dims, prompt_tokens: int = 256) -> dict[str, 
         "activations" + (" (checkpointed)" if cfg.learner.gradient_checkpointing else ""): activations,
         # The policy's bf16 logits (kept for backward) and, at backward, their gradient; the reference
         # pass's bf16 logits exist alongside the policy's; one fp32 chunk in the chunked log-softmax.
-        "logits (policy + its grad + reference, bf16; fp32 chunk)": 3 * 2 * s * b * d.vocab
+        "logits (policy + its grad + reference, bf16; fp32 chunk)": 3 * 2 * scored * d.vocab
         + 4 * chunk * d.vocab,
+        **mask,
         "CUDA context": CUDA_CONTEXT,
     }
     full = {

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from learner import checkpoint as ckpt
-from learner.batch import collate, is_degenerate, is_stale, sequences, shard
+from learner.batch import MicroBatch, PackedBatch, collate, is_degenerate, is_stale, pack, sequences, shard
 from learner.client import Interrupted, RolloutClient, ServerError
 from learner.engine import (
     broadcast_object,
@@ -29,7 +29,7 @@ from learner.engine import (
     optimizer_state_numel,
     reference_policy,
 )
-from learner.grpo import grpo_loss, token_logprobs
+from learner.grpo import grpo_loss, picked_logprobs, token_logprobs
 from learner.metrics import MetricsSink
 from shared.config import TandemConfig, check_batch_size
 from shared.protocol import ScoredGroup
@@ -91,13 +91,70 @@ def collect_groups(
     return pulled
 
 
-def _completion_logprobs(logits, b, temperature: float, chunk_size: int):
-    """Log-probs and entropies [n, T] of the completion tokens under softmax(logits / T): the sampler
-    drew from that distribution, so it is the policy whose ratio and KL we take."""
+def completion_logprobs(model, b: MicroBatch | PackedBatch, dtype, temperature: float, chunk_size: int):
+    """Log-probs [n, T] (with grad) and entropies [n, T] of the batch's completion tokens under
+    softmax(logits / temperature): the sampler drew from that distribution, so it is the policy whose
+    ratio and KL we take. A PackedBatch gives the same values as the MicroBatch of the same completions
+    (tests/learner/test_shared_prompt.py), from fewer tokens and only the logits that are scored."""
+    if isinstance(b, PackedBatch):
+        logits = model(
+            input_ids=b.input_ids,
+            position_ids=b.position_ids,
+            attention_mask=b.additive_mask(dtype),
+            logits_to_keep=b.keep,
+            use_cache=False,
+        ).logits  # [R, K, V]
+        lp, entropy = picked_logprobs(
+            logits.reshape(-1, logits.shape[-1]),
+            b.rows,
+            b.targets,
+            chunk_size=chunk_size,
+            temperature=temperature,
+        )  # [Q]: every real completion token, row-major over [n, T]
+        real = b.mask.bool()
+        return lp.new_zeros(real.shape).masked_scatter(real, lp), entropy.new_zeros(
+            real.shape
+        ).masked_scatter(real, entropy)
+    logits = model(
+        input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False
+    ).logits  # [n, L, V]
     lp, entropy = token_logprobs(
         logits[:, :-1], b.input_ids[:, 1:], chunk_size=chunk_size, temperature=temperature
     )  # [n, L-1]
     return lp.gather(1, b.positions), entropy.gather(1, b.positions)
+
+
+def micro_loss(
+    engine, b: MicroBatch | PackedBatch, cfg: TandemConfig, total_sequences: int, total_tokens: int
+):
+    """One micro-batch's share of the step's GRPO loss (global normalisers), with its metrics (token
+    means, the token count under "tokens") and its policy entropy summed over its tokens."""
+    g, lr, temperature = cfg.grpo, cfg.learner, cfg.sampling.temperature
+    module = getattr(engine, "module", engine)
+    dtype = module.get_input_embeddings().weight.dtype
+    logprobs, entropy = completion_logprobs(engine, b, dtype, temperature, lr.logprob_chunk_size)
+    ref_logprobs = None
+    if g.beta > 0:
+        with reference_policy(engine) as ref_model:
+            ref_logprobs, _ = completion_logprobs(ref_model, b, dtype, temperature, lr.logprob_chunk_size)
+    loss, m = grpo_loss(
+        logprobs,
+        b.sampler_logprobs,
+        ref_logprobs,
+        b.advantages,
+        b.mask,
+        epsilon_low=g.epsilon_low,
+        epsilon_high=g.epsilon_high,
+        beta=g.beta,
+        kl_estimator=g.kl_estimator,
+        aggregation=g.aggregation,
+        max_tokens=cfg.sampling.max_new_tokens,
+        is_cap=g.is_cap,
+        total_sequences=total_sequences,
+        total_tokens=total_tokens,
+    )
+    m["policy/entropy"] = float((entropy * b.mask).sum() / max(m["tokens"], 1.0))
+    return loss, m
 
 
 def ack(client: RolloutClient, lease_id: str) -> None:
@@ -135,42 +192,19 @@ def train_step(
     engine, groups: list[ScoredGroup], cfg: TandemConfig, rank: int, world: int, pad_id: int
 ) -> dict:
     """One optimizer step over all ranks' shards of the step's B x G completions."""
-    g, lr = cfg.grpo, cfg.learner
-    seqs, advantages = sequences(groups, g)
+    lr = cfg.learner
+    seqs, advantages = sequences(groups, cfg.grpo)
     total_tokens = sum(len(s.completion) for s in seqs)
-    temperature = cfg.sampling.temperature
+    device = next(p.device for p in engine.module.parameters() if p.requires_grad)
     sums: dict[str, float] = {}
     for micro in shard(seqs, rank, world, lr.micro_batch_size):
-        b = collate(micro, pad_id)
-        logits = engine(input_ids=b.input_ids, attention_mask=b.attention_mask).logits  # [n, L, V]
-        logprobs, entropy = _completion_logprobs(logits, b, temperature, lr.logprob_chunk_size)  # [n, T]
-        ref_logprobs = None
-        if g.beta > 0:
-            with reference_policy(engine) as ref_model:
-                ref_logits = ref_model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-                ref_logprobs, _ = _completion_logprobs(ref_logits, b, temperature, lr.logprob_chunk_size)
-        loss, m = grpo_loss(
-            logprobs,
-            b.sampler_logprobs,
-            ref_logprobs,
-            b.advantages,
-            b.mask,
-            epsilon_low=g.epsilon_low,
-            epsilon_high=g.epsilon_high,
-            beta=g.beta,
-            kl_estimator=g.kl_estimator,
-            aggregation=g.aggregation,
-            max_tokens=cfg.sampling.max_new_tokens,
-            is_cap=g.is_cap,
-            total_sequences=len(seqs),
-            total_tokens=total_tokens,
-        )
+        b = (pack if lr.shared_prompt else collate)(micro, pad_id).to(device)
+        loss, m = micro_loss(engine, b, cfg, len(seqs), total_tokens)
         # Each shard's loss is its share of the whole step's loss (global normalisers). DeepSpeed divides
         # by the accumulation steps and averages over ranks; undo both so gradients are those of the sum.
         engine.backward(loss * lr.grad_accum * world)
         engine.step()
         n = m.pop("tokens")
-        m["policy/entropy"] = float((entropy * b.mask).sum() / max(n, 1.0))
         m["loss"] = loss.item()
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + (v if k == "loss" else v * n)

@@ -1,11 +1,15 @@
-"""Learner throughput at 1 and 2 processes on the same global batch: tokens/s of the GRPO step.
+"""Learner throughput on replayed groups: shared-prompt path against the plain one, or 1 process against 2.
 
-    .venv/bin/python scripts/bench_learner.py RUN/learner/groups.jsonl [--steps 4]
+    .venv/bin/python scripts/bench_learner.py RUN/learner/groups.jsonl   # a demo run's groups
+    .venv/bin/python scripts/bench_learner.py --gsm8k-shaped   # ~150-token prompts, ~200-token completions
+    .venv/bin/python scripts/bench_learner.py RUN/learner/groups.jsonl --compare processes
 
-Replays the groups a run recorded (learner.replay_file: no server, the exact same batches) through the real
-DeepSpeed ZeRO-2 learner, once as one process and once as two (torchrun, gloo), with the same global batch
-(B x G = micro batch x grad accumulation x processes) and the machine's cores split evenly between the
-processes. Reports completion tokens per second of training (perf/train_s), first step excluded.
+Replays recorded groups (learner.replay_file: no server, the exact same batches) through the real DeepSpeed
+ZeRO-2 learner, once per variant, side by side in one run, and prints completion tokens per second of
+training (perf/train_s, first step excluded as warm-up), the ratio, and each learner's peak resident memory.
+`--compare paths` (default): learner.shared_prompt=false (one padded row per completion, full logits: the
+reference path) against true (each prompt encoded once per micro-batch, logits only where scored), one
+process. `--compare processes`: 1 process against 2 (torchrun, gloo) with the cores split between them.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -24,13 +29,14 @@ from shared.net import free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(world: int, groups: Path, args, work: Path) -> list[dict]:
+def run(name: str, groups: Path, args, work: Path, world: int = 1, extra: tuple[str, ...] = ()) -> dict:
+    """One learner over the replayed groups: its metrics records and its peak RSS (MiB)."""
     recorded = json.loads((groups.parent / "config.json").read_text())
     b, g = recorded["learner"]["prompts_per_step"], recorded["sampling"]["group_size"]
     micro = args.micro_batch_size
     if (b * g) % (micro * world):
         raise SystemExit(f"B x G = {b * g} is not divisible by micro batch {micro} x {world} processes")
-    out = work / f"world{world}"
+    out = work / name
     launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={free_port()}"]
     cmd = [
         sys.executable,
@@ -48,15 +54,24 @@ def run(world: int, groups: Path, args, work: Path) -> list[dict]:
         f"--learner.steps={args.steps}",
         f"--learner.replay_file={groups}",
         f"--learner.out_dir={out}",
+        *extra,
     ]
     threads = max(1, (os.cpu_count() or 1) // world)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
-    print(f"[{world} process(es), {threads} thread(s) each] {args.steps} replayed steps ...", flush=True)
-    log = work / f"world{world}.log"
-    rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        raise SystemExit(f"learner ({world} processes) failed; see {log}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    print(
+        f"[{name}: {world} process(es), {threads} thread(s) each] {args.steps} replayed steps ...", flush=True
+    )
+    log = work / f"{name}.log"
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(
+            proc.pid, 0
+        )  # this child's own peak RSS (kB on Linux), its children's too
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"learner {name} failed; see {log}")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"records": records, "peak_rss_mib": usage.ru_maxrss / 1024}
 
 
 def tokens_per_step(groups: Path) -> dict[int, int]:
@@ -67,34 +82,92 @@ def tokens_per_step(groups: Path) -> dict[int, int]:
     return per_step
 
 
+def gsm8k_shaped(folder: Path, steps: int, config: str, seed: int = 0) -> Path:
+    """A groups.jsonl (and config.json) of GSM8K's shape: B = 2 prompts of 140-160 tokens, G = 8
+    completions of 150-250 tokens (max_new_tokens 256), rewards 0/1 with both in every group. Token ids are
+    random: the timing depends on the shapes, not on what the tokens say."""
+    from shared.config import load_config
+
+    rng = random.Random(seed)
+    cfg = load_config(REPO / config, ["sampling.max_new_tokens=256", "learner.prompts_per_step=2"])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(cfg.dump() + "\n")
+    with (folder / "groups.jsonl").open("w") as f:
+        for step in range(1, steps + 1):
+            groups = []
+            for b in range(2):
+                prompt = [rng.randrange(100, 49000) for _ in range(rng.randint(140, 160))]
+                rewards = [1.0, 0.0] + [float(rng.random() < 0.4) for _ in range(6)]
+                completions = []
+                for r in rewards:
+                    n = rng.randint(150, 250)
+                    completions.append(
+                        {
+                            "token_ids": [rng.randrange(100, 49000) for _ in range(n)],
+                            "logprobs": [-rng.uniform(0.0, 2.0) for _ in range(n)],
+                            "text": "",
+                            "reward": r,
+                            "finish_reason": "stop",
+                        }
+                    )
+                groups.append(
+                    {
+                        "group_id": f"s{step}-{b}",
+                        "prompt_id": f"p{step}-{b}",
+                        "prompt_token_ids": prompt,
+                        "answer": "0",
+                        "policy_version": step - 1,
+                        "completions": completions,
+                    }
+                )
+            f.write(json.dumps({"step": step, "groups": groups}) + "\n")
+    return folder / "groups.jsonl"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("groups", type=Path, help="a run's learner/groups.jsonl (its config.json beside it)")
+    p.add_argument(
+        "groups", type=Path, nargs="?", help="a run's learner/groups.jsonl (its config.json beside it)"
+    )
+    p.add_argument("--gsm8k-shaped", action="store_true", help="replay a generated GSM8K-shaped set instead")
+    p.add_argument("--compare", choices=["paths", "processes"], default="paths")
     p.add_argument("--config", default="deploy/configs/cpu.toml")
     p.add_argument("--steps", type=int, default=4, help="steps to replay; the first is a warm-up")
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="tandem-bench-learner-"))
+    if args.gsm8k_shaped == (args.groups is not None):
+        p.error("give a groups.jsonl or --gsm8k-shaped (one of them)")
+    if args.gsm8k_shaped:
+        args.groups = gsm8k_shaped(work / "gsm8k-shaped", args.steps, args.config)
     if not args.groups.is_file() or not (args.groups.parent / "config.json").is_file():
         p.error(f"{args.groups}: not a run's groups.jsonl with config.json beside it")
     tokens = tokens_per_step(args.groups)
     if len(tokens) < args.steps or args.steps < 2:
         p.error(f"--steps must be >= 2 and <= the {len(tokens)} steps recorded in {args.groups}")
-    work = Path(tempfile.mkdtemp(prefix="tandem-bench-learner-"))
-    rates = {}
-    for world in (1, 2):
-        records = run(world, args.groups.resolve(), args, work)
-        rates[world] = statistics.median(tokens[r["step"]] / r["perf/train_s"] for r in records[1:])
-        print(f"  {rates[world]:.0f} completion tokens/s", flush=True)
-    result = {
-        "tokens_per_s_1_process": rates[1],
-        "tokens_per_s_2_processes": rates[2],
-        "ratio_2_over_1": rates[2] / rates[1],
-        "cpus": os.cpu_count(),
-    }
+    groups = args.groups.resolve()
+    if args.compare == "paths":
+        variants = {
+            "plain": dict(extra=("--learner.shared_prompt=false",)),
+            "shared_prompt": dict(extra=("--learner.shared_prompt=true",)),
+        }
+    else:
+        variants = {"1_process": dict(world=1), "2_processes": dict(world=2)}
+    result: dict = {"groups": str(args.groups), "cpus": os.cpu_count(), "steps_timed": args.steps - 1}
+    for name, kw in variants.items():
+        r = run(name, groups, args, work, **kw)
+        rate = statistics.median(tokens[rec["step"]] / rec["perf/train_s"] for rec in r["records"][1:])
+        result[name] = {"completion_tokens_per_s": rate, "peak_rss_mib": r["peak_rss_mib"]}
+        print(f"  {rate:.1f} completion tokens/s, peak RSS {r['peak_rss_mib']:.0f} MiB", flush=True)
+    names = list(variants)
+    ratio = result[names[1]]["completion_tokens_per_s"] / result[names[0]]["completion_tokens_per_s"]
+    result["ratio"] = ratio
     print(
-        f"\nlearner: 1 process {rates[1]:.0f} tok/s, 2 processes {rates[2]:.0f} tok/s; "
-        f"2/1 = {rates[2] / rates[1]:.2f}"
+        f"\nlearner, completion tokens/s: {names[0]} {result[names[0]]['completion_tokens_per_s']:.1f}, "
+        f"{names[1]} {result[names[1]]['completion_tokens_per_s']:.1f}; {names[1]}/{names[0]} = {ratio:.2f}"
+        f"\npeak RSS: {names[0]} {result[names[0]]['peak_rss_mib']:.0f} MiB, "
+        f"{names[1]} {result[names[1]]['peak_rss_mib']:.0f} MiB"
     )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -113,7 +113,13 @@ class ServerConfig(_Section):
 class LoraConfig(_Section):
     r: int = Field(default=16, ge=1)
     alpha: float = Field(default=32.0, gt=0)
-    dropout: float = Field(default=0.05, ge=0, lt=1)
+    dropout: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="dropout on the LoRA branch in the learner's policy pass; > 0 adds noise to the ratio "
+        "against the sampler's log-probs, which had none",
+    )
     target_modules: list[str] = Field(default=["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
 
 
@@ -166,6 +172,12 @@ class LearnerConfig(_Section):
     pull_wait_s: float = Field(default=60.0, gt=0)
     logprob_chunk_size: int = Field(default=256, ge=1, description="tokens per log-softmax chunk")
     gradient_checkpointing: bool = False
+    shared_prompt: bool = Field(
+        default=True,
+        description="encode each prompt once for all of its group's completions in a micro-batch (one packed "
+        "row, block attention mask) and compute logits only where a token is scored; false: one padded row "
+        "per completion with full logits, the reference path",
+    )
     offload_weights_while_generating: bool = Field(
         default=True,
         description="timeslice placement on a GPU: the frozen base weights wait in host RAM while the server "

@@ -137,6 +137,54 @@ def test_two_processes_reproduce_one_on_the_same_groups(three_steps, tmp_path):
         assert abs(part - one_s[0] / 2) <= 0.01 * one_s[0], (part, one_s)
 
 
+def test_shared_prompt_gives_the_plain_gradients_at_two_processes(three_steps, tmp_path):
+    """learner.shared_prompt at world size 2 under ZeRO-2 against the plain path, on the same groups. Plain
+    SGD (no clipping) makes the adapters show the gradients: B starts at 0, so v1's B = -lr·g1(B); A has
+    no gradient at step 1 (B = 0), so v2's A - v1's A = -lr·g2(A). The large lr keeps that difference far
+    above fp32's rounding of A (~0.04: ulp 4e-9); at lr 0.01 it was 1e-8 and rounding alone differed 10 %."""
+    out = three_steps[0]
+    sgd = [
+        "--deepspeed.overrides.optimizer.type=SGD",
+        "--deepspeed.overrides.zero_allow_untested_optimizer=true",
+        "--deepspeed.gradient_clipping=0",
+        "--learner.lr=3",
+    ]
+    runs = {}
+    for shared in ("false", "true"):
+        run = tmp_path / f"shared-{shared}"
+        p = learner(
+            "http://127.0.0.1:1",
+            run,
+            [
+                *sgd,
+                "--learner.steps=2",
+                f"--learner.replay_file={out / 'groups.jsonl'}",
+                "--learner.grad_accum=1",
+                f"--learner.shared_prompt={shared}",
+            ],  # fmt: skip
+            tmp_path / f"shared-{shared}.log",
+            launcher=["-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"],
+        )
+        assert p.wait(timeout=600) == 0, p.log()[-5000:]
+        runs[shared] = run
+    plain, packed = (_jsonl(runs[s] / "metrics.jsonl") for s in ("false", "true"))
+    for a, b in zip(plain, packed, strict=True):
+        # The loss sums terms of size ~|A| = 1 that cancel (advantages have mean 0; at step 1 the ratio is 1):
+        # 1e-6 absolute is 1e-6 of its terms. The rest are means of such terms.
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        for k in ("grad_norm", "kl/ref", "policy/entropy", "ratio/mean", "sampler/logp_diff"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
+    grads = {}
+    for s in ("false", "true"):
+        v1, v2 = _lora(runs[s] / "adapters" / "v1"), _lora(runs[s] / "adapters" / "v2")
+        grads[s] = {k: v1[k] if "lora_B" in k else v2[k] - v1[k] for k in v1}
+    assert grads["false"].keys() == grads["true"].keys()
+    for k, g in grads["false"].items():
+        scale = g.abs().max().item()
+        assert scale > 0, f"{k}: no gradient, nothing compared"
+        assert (g - grads["true"][k]).abs().max().item() <= 1e-4 * scale, k
+
+
 @pytest.fixture
 def fresh_server(tmp_path, model_dir):
     """A server of its own: the module's one already serves a newer policy than a new run's v0."""

@@ -81,11 +81,12 @@ def test_totals_within_20_percent_of_the_ladder_where_comparable():
         "weights + Adam, every parameter trainable (16 B/param)"
     ]
     assert abs(full_states / 1e9 - 24) / 24 < 0.2
-    # The LoRA rows describe runs without activation recomputation.
-    e = estimate(_cfg("learner.gradient_checkpointing=false", "deepspeed.offload_optimizer=false"), d)
+    # The LoRA rows describe runs without activation recomputation, logits at every position.
+    standard = ("learner.gradient_checkpointing=false", "learner.shared_prompt=false")
+    e = estimate(_cfg(*standard, "deepspeed.offload_optimizer=false"), d)
     both = (sum(e["server"].values()) + sum(e["learner"].values())) / 1e9
     assert abs(both - 12) / 12 < 0.2, both  # LoRA + ZeRO-2, server and learner resident
-    e = estimate(_cfg("learner.gradient_checkpointing=false"), d)
+    e = estimate(_cfg(*standard), d)
     timesliced = (sum(e["learner"].values()) + 0.5 * GIB) / 1e9
     assert abs(timesliced - 8) / 8 < 0.2, timesliced  # LoRA + offload, the learner's phase
 
@@ -123,3 +124,18 @@ def test_cli_lists_largest_items_first_and_says_what_to_change():
     learner_block = out.stdout.split("learner (")[1].split("\n\n")[0].splitlines()[1:]
     sizes = [float(line.split()[0]) for line in learner_block]
     assert sizes == sorted(sizes, reverse=True)
+
+
+def test_shared_prompt_counts_each_prompt_once_and_logits_only_where_scored():
+    d = Dims.from_config(R1_DISTILL_1_5B)
+    # micro 8 = 2 groups of G = 4; prompt 256 (the estimate's), 512 new tokens: packed rows hold
+    # 2 x 256 + 8 x 512 = 4608 tokens against 8 x 768 = 6144 padded ones.
+    over = ["learner.micro_batch_size=8", "learner.grad_accum=1", "learner.gradient_checkpointing=false"]
+    packed = estimate(_cfg(*over, "learner.shared_prompt=true"), d)["learner"]
+    plain = estimate(_cfg(*over, "learner.shared_prompt=false"), d)["learner"]
+    assert packed["activations"] / plain["activations"] == pytest.approx(4608 / 6144)
+    logits = "logits (policy + its grad + reference, bf16; fp32 chunk)"
+    chunk = 4 * 256 * d.vocab
+    assert (packed[logits] - chunk) / (plain[logits] - chunk) == pytest.approx((8 * 512 + 2) / 6144)
+    # Two rows of 256 + 4 x 512 tokens, bool + bf16 masks
+    assert packed["attention masks (packed rows: bool + bf16)"] == 3 * 2 * (256 + 4 * 512) ** 2

@@ -1,0 +1,150 @@
+"""learner.shared_prompt: each prompt encoded once per micro-batch, logits only where scored. The packed
+path must give the plain path's loss, metrics and LoRA gradients (the plain path is the reference)."""
+
+import pytest
+import torch
+
+from learner.batch import Sequence, collate, pack, shard
+from learner.train import micro_loss
+from shared.config import load_config
+
+# Prompt lengths 7, 12, 3; completions of length 1, truncated ones at max_new_tokens = 8, and the rest.
+SHAPES = [(7, [1, 5, 3, 8]), (12, [2, 8, 1, 6]), (3, [4, 4, 7, 8])]
+
+
+def _sequences(vocab: int, seed: int = 0) -> list[Sequence]:
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for prompt_len, lengths in SHAPES:
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        rewards = torch.rand(len(lengths), generator=g)
+        adv = (rewards - rewards.mean()) / rewards.std(correction=0)
+        for c, a in zip(lengths, adv.tolist(), strict=True):
+            completion = torch.randint(0, vocab, (c,), generator=g).tolist()
+            sampler = (-3 * torch.rand(c, generator=g)).tolist()
+            seqs.append(Sequence(prompt, completion, sampler, a))
+    return seqs
+
+
+def test_pack_hand_worked():
+    # Two completions of prompt (5, 6, 7) and one of prompt (9,): two rows.
+    a, b = Sequence([5, 6, 7], [10, 11], [-1.0, -2.0], 1.0), Sequence([5, 6, 7], [12], [-3.0], -1.0)
+    c = Sequence([9], [13, 14, 15], [-1.0, -1.0, -1.0], 0.5)
+    p = pack([a, b, c], pad_id=0)
+    assert p.input_ids.tolist() == [[5, 6, 7, 10, 11, 12], [9, 13, 14, 15, 0, 0]]
+    assert p.position_ids[0].tolist() == [0, 1, 2, 3, 4, 3]  # completion 2 restarts after the prompt
+    assert p.position_ids[1, :4].tolist() == [0, 1, 2, 3]
+    allowed = p.allowed[0].int().tolist()
+    assert allowed[4] == [1, 1, 1, 1, 1, 0]  # token 11: the prompt, 10, itself
+    assert allowed[5] == [1, 1, 1, 0, 0, 1]  # token 12: the prompt and itself, not completion 1
+    assert allowed[2] == [1, 1, 1, 0, 0, 0]  # the prompt sees only itself, causally
+    assert not p.allowed[1, 1, 4:].any() and not p.allowed[1, :4, 4:].any()  # nobody attends to padding
+    # Predictors: row 0 positions 2 (10 and 12), 3 (11); row 1 positions 0, 1, 2. keep = {0, 1, 2, 3}.
+    assert p.keep.tolist() == [0, 1, 2, 3]
+    assert p.rows.tolist() == [2, 3, 2, 4, 5, 6]  # row * K + index in keep, tokens in [n, T] order
+    assert p.targets.tolist() == [10, 11, 12, 13, 14, 15]
+    assert p.mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1]]
+    assert p.advantages.tolist() == [1.0, -1.0, 0.5]
+
+
+def _tiny(arch: str, attn: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    kind = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config = kind(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=arch == "llama",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def _peft(base, r=4):
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(1)
+    # init_lora_weights=False: B random too, so that A has gradients as well (B = 0 would zero them)
+    lora = LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False)
+    return get_peft_model(base, lora).eval()
+
+
+def _run(model, seqs, cfg, shared: bool, micro: int):
+    """Loss, token-weighted metrics and LoRA gradients of the micro-batches, summed as train_step does."""
+    model.zero_grad(set_to_none=True)
+    total_tokens = sum(len(s.completion) for s in seqs)
+    loss_sum, sums, tokens = 0.0, {}, 0.0
+    for chunk in shard(seqs, 0, 1, micro):
+        b = (pack if shared else collate)(chunk, pad_id=0)
+        loss, m = micro_loss(model, b, cfg, len(seqs), total_tokens)
+        loss.backward()
+        loss_sum += loss.item()
+        n = m.pop("tokens")
+        tokens += n
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + v * n
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    return loss_sum, {k: v / tokens for k, v in sums.items()}, grads
+
+
+def _assert_same(plain, packed, rel: float):
+    (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = plain, packed
+    assert abs(loss_a - loss_b) <= rel * max(abs(loss_a), 1e-12), (loss_a, loss_b)
+    assert metrics_a.keys() == metrics_b.keys()
+    for k in metrics_a:
+        assert abs(metrics_a[k] - metrics_b[k]) <= rel * max(abs(metrics_a[k]), 1e-6), (
+            k,
+            metrics_a,
+            metrics_b,
+        )
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 0
+    for name, ga in grads_a.items():
+        scale = ga.abs().max().item()
+        assert scale > 0, f"{name}: zero gradient, the comparison would prove nothing"
+        diff = (ga - grads_b[name]).abs().max().item()
+        assert diff <= rel * scale, f"{name}: max |diff| {diff:.3g} vs max |grad| {scale:.3g}"
+
+
+def _cfg(beta: float, aggregation: str):
+    return load_config(
+        None,
+        [
+            f"grpo.beta={beta}", f"grpo.aggregation={aggregation}", "grpo.is_cap=3.0",
+            "sampling.max_new_tokens=8", "sampling.temperature=0.7", "learner.logprob_chunk_size=5",
+        ],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean", "constant_norm"])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
+def test_packed_equals_plain_fp32(arch, attn, beta, aggregation):
+    model = _peft(_tiny(arch, attn))
+    seqs, cfg = _sequences(97), _cfg(beta, aggregation)
+    # micro 12: all of a step in one micro-batch (3 rows); micro 3: groups cut across micro-batches
+    for micro in (12, 3):
+        _assert_same(_run(model, seqs, cfg, False, micro), _run(model, seqs, cfg, True, micro), rel=1e-4)
+
+
+def test_packed_equals_plain_with_gradient_checkpointing():
+    model = _peft(_tiny("qwen2", "sdpa"))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.train()  # transformers checkpoints only in training mode
+    assert model.base_model.model.model.gradient_checkpointing
+    seqs, cfg = _sequences(97), _cfg(0.04, "seq_mean_token_mean")
+    _assert_same(_run(model, seqs, cfg, False, 6), _run(model, seqs, cfg, True, 6), rel=1e-4)
+
+
+def test_packed_close_to_plain_in_bf16():
+    model = _peft(_tiny("llama", "sdpa")).to(torch.bfloat16)
+    seqs, cfg = _sequences(97), _cfg(0.04, "token_mean")
+    _assert_same(_run(model, seqs, cfg, False, 12), _run(model, seqs, cfg, True, 12), rel=5e-2)
+
+
+def test_packed_equals_plain_on_smollm2(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = _peft(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), r=16)
+    seqs, cfg = _sequences(49152, seed=3), _cfg(0.04, "seq_mean_token_mean")
+    _assert_same(_run(model, seqs, cfg, False, 12), _run(model, seqs, cfg, True, 12), rel=1e-4)
