@@ -7,7 +7,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from learner.grpo import degenerate_groups, group_advantages
+from learner.grpo import group_advantages
+from shared import protocol
 from shared.config import GRPOConfig
 from shared.protocol import ScoredGroup
 
@@ -21,7 +22,7 @@ def is_stale(group: ScoredGroup, version: int, max_staleness: int, floor_version
 
 
 def is_degenerate(group: ScoredGroup) -> bool:
-    return bool(degenerate_groups(torch.tensor([group.rewards]))[0])
+    return protocol.is_degenerate(group.rewards)
 
 
 @dataclass

@@ -155,8 +155,8 @@ class RolloutClient:
     def publish(self, version: int, folder: str | Path) -> P.AdapterPublished:
         """Upload adapter_config.json + adapter_model.safetensors: no shared filesystem needed."""
         folder = Path(folder)
-        config = (folder / "adapter_config.json").read_bytes()
-        weights = (folder / "adapter_model.safetensors").read_bytes()
+        config = (folder / P.ADAPTER_CONFIG_FILE).read_bytes()
+        weights = (folder / P.ADAPTER_WEIGHTS_FILE).read_bytes()
         tries = 0
 
         def post() -> httpx.Response:
@@ -164,17 +164,17 @@ class RolloutClient:
             tries += 1
             return self._http.post(
                 "/v1/adapters",
-                data={"version": str(version)},
+                data={P.UPLOAD_VERSION_FIELD: str(version)},
                 files={
-                    "adapter_config": ("adapter_config.json", config),
-                    "adapter_model": ("adapter_model.safetensors", weights),
+                    P.UPLOAD_CONFIG_FIELD: (P.ADAPTER_CONFIG_FILE, config),
+                    P.UPLOAD_WEIGHTS_FIELD: (P.ADAPTER_WEIGHTS_FILE, weights),
                 },
             )
 
         r = self._send("POST /v1/adapters", post)
         if r.status_code == 409 and tries > 1 and self.health().policy_version == version:
             # A retried upload whose first try went through before the connection dropped.
-            return P.AdapterPublished(version=version, name=f"policy-v{version}")
+            return P.AdapterPublished(version=version, name=P.adapter_name(version))
         return P.AdapterPublished.model_validate_json(self._check(r, "POST /v1/adapters").content)
 
     def sleep(self) -> P.SleepState:

@@ -16,11 +16,9 @@ import torch
 
 from shared.config import ConfigError, TandemConfig
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def deepspeed_config(cfg: TandemConfig, world_size: int, on_cpu: bool, num_trainable: int) -> dict[str, Any]:
-    ds, lr = cfg.deepspeed, cfg.learner
+    ds, lc = cfg.deepspeed, cfg.learner
     # Buckets sized to the LoRA parameter count: the defaults (5e8 elements, with overlap_comm) reserve
     # GBs for a model whose trainable part is a few MB (DESIGN.md §8).
     bucket = int(max(num_trainable, 1_000_000))
@@ -34,16 +32,17 @@ def deepspeed_config(cfg: TandemConfig, world_size: int, on_cpu: bool, num_train
     if ds.offload_optimizer and not on_cpu:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config = {
-        "train_micro_batch_size_per_gpu": lr.micro_batch_size,
-        "gradient_accumulation_steps": lr.grad_accum,
-        "train_batch_size": lr.micro_batch_size * lr.grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": lc.micro_batch_size,
+        "gradient_accumulation_steps": lc.grad_accum,
+        "train_batch_size": lc.micro_batch_size * lc.grad_accum * world_size,
         "gradient_clipping": ds.gradient_clipping,
-        "bf16": {"enabled": ds.bf16},
+        "bf16": {"enabled": cfg.model.dtype == "bfloat16"},
+        "fp16": {"enabled": cfg.model.dtype == "float16"},
         "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",
             # torch's AdamW on CPU: DeepSpeed's CPU Adam would be JIT-compiled first (DESIGN.md §7).
-            "params": {"lr": lr.lr, "weight_decay": lr.weight_decay, "torch_adam": on_cpu},
+            "params": {"lr": lc.lr, "weight_decay": lc.weight_decay, "torch_adam": on_cpu},
         },
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -97,8 +96,7 @@ def build_engine(cfg: TandemConfig, model_path: str, world_size: int, on_cpu: bo
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    dtype = _DTYPES["bfloat16" if cfg.deepspeed.bf16 else "float32"]
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
     attention = base.config._attn_implementation
     if cfg.learner.shared_prompt and attention not in ("sdpa", "eager"):
         raise ConfigError(

@@ -16,6 +16,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from shared.protocol import DEGENERATE_TOL
+
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant_norm"]
 
 # k3 = e^u - u - 1 overflows fp32 past u ~ 88; |u| > 20 means the two policies disagree by a factor of
@@ -24,8 +26,9 @@ Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant_norm"]
 _KL_LOG_RATIO_BOUND = 20.0
 
 
-def degenerate_groups(rewards: Tensor, tol: float = 1e-6) -> Tensor:
-    """[B, G] -> bool [B]: groups whose rewards are all equal (zero std), which carry no signal."""
+def degenerate_groups(rewards: Tensor, tol: float = DEGENERATE_TOL) -> Tensor:
+    """[B, G] -> bool [B]: groups whose rewards are all equal (zero std), which carry no signal; the
+    tensor form of shared.protocol.is_degenerate."""
     return (rewards.amax(dim=-1) - rewards.amin(dim=-1)) <= tol
 
 

@@ -54,19 +54,19 @@ def collect_groups(
     the KL term). Everything pulled is acked with the step, dropped groups included (and counted).
     Each lease is on disk (inflight_leases.json) before its groups are used; one that cannot be written
     there is given back to the server at once, and the error raised."""
-    need, lr = cfg.learner.prompts_per_step, cfg.learner
+    need, lc = cfg.learner.prompts_per_step, cfg.learner
     pulled, spare, rounds, t0 = Pulled([], []), [], 0, time.perf_counter()
     while len(pulled.groups) < need:
-        filtering = lr.dynamic_sampling and rounds < lr.max_pull_rounds
+        filtering = lc.dynamic_sampling and rounds < lc.max_pull_rounds
         if not filtering and spare:  # the bound is hit: degenerate groups fill the gap
             take = need - len(pulled.groups)
             pulled.groups, spare = pulled.groups + spare[:take], spare[take:]
             continue
-        resp = client.pull(need - len(pulled.groups), wait_s=lr.pull_wait_s)
+        resp = client.pull(need - len(pulled.groups), wait_s=lc.pull_wait_s)
         rounds += 1
         kept = 0
         for g in resp.groups:
-            if is_stale(g, version, lr.max_staleness, floor_version):
+            if is_stale(g, version, lc.max_staleness, floor_version):
                 pulled.stale += 1
                 continue
             pulled.seen += 1
@@ -129,14 +129,14 @@ def micro_loss(
 ):
     """One micro-batch's share of the step's GRPO loss (global normalisers), with its metrics (token
     means, the token count under "tokens") and its policy entropy summed over its tokens."""
-    g, lr, temperature = cfg.grpo, cfg.learner, cfg.sampling.temperature
+    g, lc, temperature = cfg.grpo, cfg.learner, cfg.sampling.temperature
     module = getattr(engine, "module", engine)
     dtype = module.get_input_embeddings().weight.dtype
-    logprobs, entropy = completion_logprobs(engine, b, dtype, temperature, lr.logprob_chunk_size)
+    logprobs, entropy = completion_logprobs(engine, b, dtype, temperature, lc.logprob_chunk_size)
     ref_logprobs = None
     if g.beta > 0:
         with reference_policy(engine) as ref_model:
-            ref_logprobs, _ = completion_logprobs(ref_model, b, dtype, temperature, lr.logprob_chunk_size)
+            ref_logprobs, _ = completion_logprobs(ref_model, b, dtype, temperature, lc.logprob_chunk_size)
     loss, m = grpo_loss(
         logprobs,
         b.sampler_logprobs,
@@ -192,17 +192,17 @@ def train_step(
     engine, groups: list[ScoredGroup], cfg: TandemConfig, rank: int, world: int, pad_id: int
 ) -> dict:
     """One optimizer step over all ranks' shards of the step's B x G completions."""
-    lr = cfg.learner
+    lc = cfg.learner
     seqs, advantages = sequences(groups, cfg.grpo)
     total_tokens = sum(len(s.completion) for s in seqs)
     device = next(p.device for p in engine.module.parameters() if p.requires_grad)
     sums: dict[str, float] = {}
-    for micro in shard(seqs, rank, world, lr.micro_batch_size):
-        b = (pack if lr.shared_prompt else collate)(micro, pad_id).to(device)
+    for micro in shard(seqs, rank, world, lc.micro_batch_size):
+        b = (pack if lc.shared_prompt else collate)(micro, pad_id).to(device)
         loss, m = micro_loss(engine, b, cfg, len(seqs), total_tokens)
         # Each shard's loss is its share of the whole step's loss (global normalisers). DeepSpeed divides
         # by the accumulation steps and averages over ranks; undo both so gradients are those of the sum.
-        engine.backward(loss * lr.grad_accum * world)
+        engine.backward(loss * lc.grad_accum * world)
         engine.step()
         n = m.pop("tokens")
         m["loss"] = loss.item()

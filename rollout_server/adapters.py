@@ -17,10 +17,10 @@ import shutil
 import struct
 from pathlib import Path
 
+from shared.protocol import ADAPTER_CONFIG_FILE as CONFIG
+from shared.protocol import ADAPTER_WEIGHTS_FILE as WEIGHTS
 from shared.protocol import MAX_VERSION
 
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
 # Linear layers of Llama/Qwen-style decoders: the fallback when the base model's files are not local.
 STANDARD_TARGETS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 

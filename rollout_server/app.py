@@ -19,12 +19,10 @@ from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
+from fastapi import APIRouter, Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout_server.adapters import (
-    CONFIG,
-    WEIGHTS,
     AdapterRejected,
     AdapterStore,
     linear_modules,
@@ -34,10 +32,11 @@ from rollout_server.adapters import (
     validate_folder,
 )
 from rollout_server.backend import GenerationAborted, RolloutBackend
+from rollout_server.events import EventLog
 from rollout_server.guard import RequestGuard
 from rollout_server.metrics import ServerMetrics
 from rollout_server.policy import Policy
-from rollout_server.producer import EventLog, Producer, StateError, load_cursor
+from rollout_server.producer import Producer, StateError, load_cursor
 from rollout_server.queue import LeaseError, LeaseQueue
 from shared import protocol as P
 from shared.config import TandemConfig
@@ -50,7 +49,7 @@ MAX_CONFIG_BYTES = 2**16  # adapter_config.json: peft writes about 1 KB
 
 
 class Server:
-    """Everything the routes need, built in the app's lifespan."""
+    """The server's parts, built in the app's lifespan; the routes reach them through `srv`."""
 
     def __init__(self, cfg: TandemConfig, backend: RolloutBackend, problems: list[Problem], model_path: str):
         self.cfg = cfg
@@ -66,7 +65,7 @@ class Server:
         }
         self.policy = Policy(backend, self.store, lambda f: validate_folder(f, **self.adapter_checks))
         self.queue = LeaseQueue(cfg.server.queue_size, cfg.server.lease_s)
-        self.metrics = ServerMetrics(self)
+        self.metrics = ServerMetrics(self.queue, self.policy)
         self.events = EventLog(state_dir / "events.jsonl")
         self.producer = Producer(
             cfg, backend, self.queue, self.policy, problems, state_dir, self.events, self.metrics
@@ -98,7 +97,6 @@ def create_app(
     on_fatal: Callable[[], None] = lambda: None,
 ) -> FastAPI:
     """`on_fatal` is called once the producer has died: serve() makes the process exit 1 then."""
-    token = os.environ.get(cfg.server.api_token_env) or None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -108,14 +106,7 @@ def create_app(
         app.state.loop = asyncio.get_running_loop()
         app.state.server = server
         task = asyncio.create_task(server.producer.run())
-
-        def on_done(t: asyncio.Task) -> None:
-            if not t.cancelled() and t.exception() is not None:
-                server.failure = f"producer stopped: {t.exception()!r}"
-                log.error("%s; exiting 1 to be restarted", server.failure, exc_info=t.exception())
-                on_fatal()
-
-        task.add_done_callback(on_done)
+        task.add_done_callback(lambda t: _producer_done(server, t, on_fatal))
         log.info(
             "ready: serving policy v%d on %s:%d", server.policy.version, cfg.server.host, cfg.server.port
         )
@@ -125,165 +116,188 @@ def create_app(
         await server.backend.close()
 
     app = FastAPI(title="tandem rollout server", version=P.PROTOCOL_VERSION, lifespan=lifespan)
+    token = os.environ.get(cfg.server.api_token_env) or None
     app.add_middleware(RequestGuard, token=token, limit_for=body_limit(cfg))
-
-    def srv(request: Request) -> Server:
-        return request.app.state.server
-
-    @app.exception_handler(AdapterRejected)
-    async def _rejected(request: Request, exc: AdapterRejected):
-        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
-
-    @app.exception_handler(GenerationAborted)
-    async def _aborted(request: Request, exc: GenerationAborted):
-        detail = f"{exc}: the server went to sleep during this request; retry after POST /v1/wake"
-        return JSONResponse({"detail": detail}, status_code=409)
-
-    @app.exception_handler(LeaseError)
-    async def _lease(request: Request, exc: LeaseError):
-        return JSONResponse({"detail": exc.args[0]}, status_code=exc.status)
-
-    @app.get("/health", response_model=P.Health)
-    async def health(s: Server = Depends(srv)):
-        if s.failure:
-            raise HTTPException(503, s.failure)
-        return P.Health(
-            backend=s.backend.name,
-            model=cfg.model.name,
-            policy_version=s.policy.version,
-            sleeping=s.producer.sleeping,
-            group_size=cfg.sampling.group_size,
-            queue_depth=s.queue.depth,
-            leased=s.queue.leased,
-        )
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics(s: Server = Depends(srv)):
-        return PlainTextResponse(s.metrics.render(), media_type="text/plain; version=0.0.4")
-
-    @app.post("/v1/groups/pull", response_model=P.PullResponse)
-    async def pull(req: P.PullRequest, s: Server = Depends(srv)):
-        # Asleep with nothing queued, no group can come before a wake: answer now rather than hold the
-        # connection for wait_s.
-        wait_s = 0.0 if s.producer.sleeping and s.queue.depth == 0 else req.wait_s
-        lease_id, groups = await s.queue.pull(req.max_groups, wait_s)
-        if lease_id:
-            s.events.write("lease", lease_id=lease_id, group_ids=[g.group_id for g in groups])
-        return P.PullResponse(lease_id=lease_id, lease_s=s.queue.lease_s if lease_id else 0.0, groups=groups)
-
-    @app.post("/v1/groups/ack", response_model=P.AckResponse)
-    async def ack(req: P.AckRequest, s: Server = Depends(srv)):
-        acked = await s.queue.ack(req.lease_id)
-        s.events.write("ack", lease_id=req.lease_id, acked=acked)
-        return P.AckResponse(acked=acked)
-
-    @app.post("/v1/groups/release", response_model=P.ReleaseResponse)
-    async def release(req: P.ReleaseRequest, s: Server = Depends(srv)):
-        released = await s.queue.release(req.lease_id)
-        s.events.write("release", lease_id=req.lease_id, released=released)
-        return P.ReleaseResponse(released=released)
-
-    async def _read(upload: UploadFile, limit: int) -> bytes:
-        data = await upload.read(limit + 1)
-        if len(data) > limit:
-            raise AdapterRejected(f"{upload.filename or 'upload'} exceeds {limit} bytes", status=413)
-        return data
-
-    async def _publish(
-        s: Server, version: int, config_bytes: bytes, weights_bytes: bytes
-    ) -> P.AdapterPublished:
-        validate_adapter(config_bytes, weights_bytes, **s.adapter_checks)
-        adapter = await s.policy.publish(version, lambda v: s.store.write(v, config_bytes, weights_bytes))
-        s.events.write("publish", version=version)
-        return P.AdapterPublished(version=adapter.version, name=adapter.name)
-
-    @app.post("/v1/adapters", response_model=P.AdapterPublished)
-    async def publish_upload(
-        version: int = Form(ge=1, le=P.MAX_VERSION),
-        adapter_config: UploadFile = File(description=CONFIG),
-        adapter_model: UploadFile = File(description=WEIGHTS),
-        s: Server = Depends(srv),
-    ):
-        limit = int(cfg.server.max_adapter_mb * 2**20)
-        return await _publish(
-            s, version, await _read(adapter_config, MAX_CONFIG_BYTES), await _read(adapter_model, limit)
-        )
-
-    @app.post("/v1/adapters/path", response_model=P.AdapterPublished)
-    async def publish_path(req: P.AdapterPathRequest, s: Server = Depends(srv)):
-        folder = resolve_under(cfg.server.adapter_root, req.path)
-        files = {}
-        for name in (CONFIG, WEIGHTS):
-            f = folder / name
-            if not f.is_file() or f.is_symlink():
-                raise AdapterRejected(f"{req.path}/{name} is missing (or a symlink)", status=422)
-            if f.stat().st_size > cfg.server.max_adapter_mb * 2**20:
-                raise AdapterRejected(f"{req.path}/{name} exceeds server.max_adapter_mb", status=413)
-            files[name] = f.read_bytes()
-        return await _publish(s, req.version, files[CONFIG], files[WEIGHTS])
-
-    @app.post("/v1/sleep", response_model=P.SleepState)
-    async def sleep(s: Server = Depends(srv)):
-        if not s.producer.sleeping:
-            await s.producer.sleep()
-        return P.SleepState(sleeping=True)
-
-    @app.post("/v1/wake", response_model=P.SleepState)
-    async def wake(s: Server = Depends(srv)):
-        if s.producer.sleeping:
-            await s.producer.wake()
-        return P.SleepState(sleeping=False)
-
-    def _check_awake(s: Server) -> None:
-        if s.producer.sleeping:
-            raise HTTPException(409, "the server is asleep; POST /v1/wake first")
-
-    @app.post("/v1/generate", response_model=P.GenerateResponse)
-    async def generate(req: P.GenerateRequest, s: Server = Depends(srv)):
-        _check_awake(s)
-        if len(req.prompts) * req.n > cfg.server.max_generate_sequences:
-            raise HTTPException(
-                422,
-                f"{len(req.prompts)} prompts x n={req.n} exceed server.max_generate_sequences="
-                f"{cfg.server.max_generate_sequences}; split the request",
-            )
-        adapter = s.policy.lookup(req.version)
-        prompts = [chat_prompt_ids(s.backend.tokenizer, q) for q in req.prompts]
-        room = cfg.model.max_model_len - max(len(p) for p in prompts)
-        if room < 1:
-            raise HTTPException(
-                422, f"a prompt leaves no room within model.max_model_len={cfg.model.max_model_len}"
-            )
-        max_tokens = min(req.max_tokens or cfg.sampling.max_new_tokens, room)
-        chunk = cfg.server.prompts_per_batch * cfg.sampling.group_size
-        work = _generate_in_chunks(s.backend, prompts, req.n, req.temperature, max_tokens, adapter, chunk)
-        samples = await _bounded(s, work, cfg.server.generate_timeout_s)
-        outputs = [
-            [P.GeneratedText(text=x.text, token_ids=x.token_ids, finish_reason=x.finish_reason) for x in row]
-            for row in samples
-        ]
-        return P.GenerateResponse(
-            version=adapter.version if adapter else 0, prompt_token_ids=prompts, outputs=outputs
-        )
-
-    @app.post("/v1/score", response_model=P.ScoreResponse)
-    async def score(req: P.ScoreRequest, s: Server = Depends(srv)):
-        _check_awake(s)
-        ids = req.prompt_token_ids + req.completion_token_ids
-        if len(ids) > cfg.model.max_model_len:
-            raise HTTPException(
-                422, f"{len(ids)} tokens exceed model.max_model_len={cfg.model.max_model_len}"
-            )
-        if max(ids) >= len(s.backend.tokenizer):
-            raise HTTPException(
-                422, f"token id {max(ids)} is outside the vocabulary ({len(s.backend.tokenizer)})"
-            )
-        adapter = s.policy.lookup(req.version)
-        async with s.producer.exclusive:
-            logprobs = await s.backend.score(req.prompt_token_ids, req.completion_token_ids, adapter)
-        return P.ScoreResponse(version=adapter.version if adapter else 0, logprobs=logprobs)
-
+    app.add_exception_handler(AdapterRejected, _rejected)
+    app.add_exception_handler(GenerationAborted, _aborted)
+    app.add_exception_handler(LeaseError, _lease_error)
+    app.include_router(router)
     return app
+
+
+def _producer_done(server: Server, task: asyncio.Task, on_fatal: Callable[[], None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        server.failure = f"producer stopped: {task.exception()!r}"
+        log.error("%s; exiting 1 to be restarted", server.failure, exc_info=task.exception())
+        on_fatal()
+
+
+async def _rejected(request: Request, exc: AdapterRejected):
+    return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+
+
+async def _aborted(request: Request, exc: GenerationAborted):
+    detail = f"{exc}: the server went to sleep during this request; retry after POST /v1/wake"
+    return JSONResponse({"detail": detail}, status_code=409)
+
+
+async def _lease_error(request: Request, exc: LeaseError):
+    return JSONResponse({"detail": exc.args[0]}, status_code=exc.status)
+
+
+# -- routes ------------------------------------------------------------------------------------------
+router = APIRouter()
+
+
+def srv(request: Request) -> Server:
+    return request.app.state.server
+
+
+@router.get("/health", response_model=P.Health)
+async def health(s: Server = Depends(srv)):
+    if s.failure:
+        raise HTTPException(503, s.failure)
+    return P.Health(
+        backend=s.backend.name,
+        model=s.cfg.model.name,
+        policy_version=s.policy.version,
+        sleeping=s.producer.sleeping,
+        group_size=s.cfg.sampling.group_size,
+        queue_depth=s.queue.depth,
+        leased=s.queue.leased,
+    )
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(s: Server = Depends(srv)):
+    return PlainTextResponse(s.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+@router.post("/v1/groups/pull", response_model=P.PullResponse)
+async def pull(req: P.PullRequest, s: Server = Depends(srv)):
+    # Asleep with nothing queued, no group can come before a wake: answer now rather than hold the
+    # connection for wait_s.
+    wait_s = 0.0 if s.producer.sleeping and s.queue.depth == 0 else req.wait_s
+    lease_id, groups = await s.queue.pull(req.max_groups, wait_s)
+    if lease_id:
+        s.events.write("lease", lease_id=lease_id, group_ids=[g.group_id for g in groups])
+    return P.PullResponse(lease_id=lease_id, lease_s=s.queue.lease_s if lease_id else 0.0, groups=groups)
+
+
+@router.post("/v1/groups/ack", response_model=P.AckResponse)
+async def ack(req: P.AckRequest, s: Server = Depends(srv)):
+    acked = await s.queue.ack(req.lease_id)
+    s.events.write("ack", lease_id=req.lease_id, acked=acked)
+    return P.AckResponse(acked=acked)
+
+
+@router.post("/v1/groups/release", response_model=P.ReleaseResponse)
+async def release(req: P.ReleaseRequest, s: Server = Depends(srv)):
+    released = await s.queue.release(req.lease_id)
+    s.events.write("release", lease_id=req.lease_id, released=released)
+    return P.ReleaseResponse(released=released)
+
+
+@router.post("/v1/adapters", response_model=P.AdapterPublished)
+async def publish_upload(
+    version: int = Form(ge=1, le=P.MAX_VERSION, alias=P.UPLOAD_VERSION_FIELD),
+    config_file: UploadFile = File(alias=P.UPLOAD_CONFIG_FIELD, description=P.ADAPTER_CONFIG_FILE),
+    weights_file: UploadFile = File(alias=P.UPLOAD_WEIGHTS_FIELD, description=P.ADAPTER_WEIGHTS_FILE),
+    s: Server = Depends(srv),
+):
+    config_bytes = await _read(config_file, MAX_CONFIG_BYTES)
+    weights_bytes = await _read(weights_file, int(s.cfg.server.max_adapter_mb * 2**20))
+    return await _publish(s, version, config_bytes, weights_bytes)
+
+
+@router.post("/v1/adapters/path", response_model=P.AdapterPublished)
+async def publish_path(req: P.AdapterPathRequest, s: Server = Depends(srv)):
+    folder = resolve_under(s.cfg.server.adapter_root, req.path)
+    files = {}
+    for name in (P.ADAPTER_CONFIG_FILE, P.ADAPTER_WEIGHTS_FILE):
+        f = folder / name
+        if not f.is_file() or f.is_symlink():
+            raise AdapterRejected(f"{req.path}/{name} is missing (or a symlink)", status=422)
+        if f.stat().st_size > s.cfg.server.max_adapter_mb * 2**20:
+            raise AdapterRejected(f"{req.path}/{name} exceeds server.max_adapter_mb", status=413)
+        files[name] = f.read_bytes()
+    return await _publish(s, req.version, files[P.ADAPTER_CONFIG_FILE], files[P.ADAPTER_WEIGHTS_FILE])
+
+
+async def _read(upload: UploadFile, limit: int) -> bytes:
+    data = await upload.read(limit + 1)
+    if len(data) > limit:
+        raise AdapterRejected(f"{upload.filename or 'upload'} exceeds {limit} bytes", status=413)
+    return data
+
+
+async def _publish(s: Server, version: int, config_bytes: bytes, weights_bytes: bytes) -> P.AdapterPublished:
+    validate_adapter(config_bytes, weights_bytes, **s.adapter_checks)
+    adapter = await s.policy.publish(version, lambda v: s.store.write(v, config_bytes, weights_bytes))
+    s.events.write("publish", version=version)
+    return P.AdapterPublished(version=adapter.version, name=adapter.name)
+
+
+@router.post("/v1/sleep", response_model=P.SleepState)
+async def sleep(s: Server = Depends(srv)):
+    if not s.producer.sleeping:
+        await s.producer.sleep()
+    return P.SleepState(sleeping=True)
+
+
+@router.post("/v1/wake", response_model=P.SleepState)
+async def wake(s: Server = Depends(srv)):
+    if s.producer.sleeping:
+        await s.producer.wake()
+    return P.SleepState(sleeping=False)
+
+
+def _check_awake(s: Server) -> None:
+    if s.producer.sleeping:
+        raise HTTPException(409, "the server is asleep; POST /v1/wake first")
+
+
+@router.post("/v1/generate", response_model=P.GenerateResponse)
+async def generate(req: P.GenerateRequest, s: Server = Depends(srv)):
+    _check_awake(s)
+    cfg = s.cfg
+    if len(req.prompts) * req.n > cfg.server.max_generate_sequences:
+        raise HTTPException(
+            422,
+            f"{len(req.prompts)} prompts x n={req.n} exceed server.max_generate_sequences="
+            f"{cfg.server.max_generate_sequences}; split the request",
+        )
+    adapter = s.policy.lookup(req.version)
+    prompts = [chat_prompt_ids(s.backend.tokenizer, q) for q in req.prompts]
+    room = cfg.model.max_model_len - max(len(p) for p in prompts)
+    if room < 1:
+        raise HTTPException(
+            422, f"a prompt leaves no room within model.max_model_len={cfg.model.max_model_len}"
+        )
+    max_tokens = min(req.max_tokens or cfg.sampling.max_new_tokens, room)
+    chunk = cfg.server.prompts_per_batch * cfg.sampling.group_size
+    work = _generate_in_chunks(s.backend, prompts, req.n, req.temperature, max_tokens, adapter, chunk)
+    samples = await _bounded(s, work, cfg.server.generate_timeout_s)
+    outputs = [
+        [P.GeneratedText(text=x.text, token_ids=x.token_ids, finish_reason=x.finish_reason) for x in row]
+        for row in samples
+    ]
+    version = adapter.version if adapter else 0
+    return P.GenerateResponse(version=version, prompt_token_ids=prompts, outputs=outputs)
+
+
+@router.post("/v1/score", response_model=P.ScoreResponse)
+async def score(req: P.ScoreRequest, s: Server = Depends(srv)):
+    _check_awake(s)
+    ids = req.prompt_token_ids + req.completion_token_ids
+    if len(ids) > s.cfg.model.max_model_len:
+        raise HTTPException(422, f"{len(ids)} tokens exceed model.max_model_len={s.cfg.model.max_model_len}")
+    vocab = len(s.backend.tokenizer)
+    if max(ids) >= vocab:
+        raise HTTPException(422, f"token id {max(ids)} is outside the vocabulary ({vocab})")
+    adapter = s.policy.lookup(req.version)
+    logprobs = await s.backend.score(req.prompt_token_ids, req.completion_token_ids, adapter)
+    return P.ScoreResponse(version=adapter.version if adapter else 0, logprobs=logprobs)
 
 
 async def _generate_in_chunks(backend, prompts, n, temperature, max_tokens, adapter, chunk: int):
@@ -323,10 +337,21 @@ async def _bounded(s: Server, work, timeout_s: float):
         s.evaluations.discard(task)
 
 
+async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
+    """Choose the engine by `server.backend`. Each implementation module is the only one importing its
+    engine, so the other's dependencies need not be installed."""
+    if cfg.server.backend == "vllm":
+        from rollout_server.vllm_backend import VllmBackend
+
+        return await VllmBackend.create(cfg, model_path)
+    from rollout_server.hf_backend import HFBackend
+
+    return await HFBackend.create(cfg, model_path)
+
+
 def serve(cfg: TandemConfig) -> int:
     import uvicorn
 
-    from rollout_server.backend import make_backend
     from rollout_server.vllm_backend import VllmVersionError, check_vllm_version  # imports no vllm
     from shared.datasets import DatasetError, load_problems
     from shared.models import ModelError, resolve_model

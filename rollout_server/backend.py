@@ -7,20 +7,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shared.config import TandemConfig
+from shared.protocol import adapter_name
 
 
 @dataclass(frozen=True)
 class Adapter:
-    """A published LoRA adapter. Each version gets its own engine name: vLLM keys its prefix cache by
-    name, and same-name reloads have served stale KV and stale weights (vLLM #42125)."""
+    """A published LoRA adapter, served under its own engine name (shared.protocol.adapter_name)."""
 
     version: int  # >= 1; version 0 is the base model and has no Adapter
     path: str
 
     @property
     def name(self) -> str:
-        return f"policy-v{self.version}"
+        return adapter_name(self.version)
 
 
 @dataclass(frozen=True)
@@ -71,15 +70,3 @@ class RolloutBackend(Protocol):
     async def wake(self) -> None: ...
 
     async def close(self) -> None: ...
-
-
-async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
-    """Choose the engine by `server.backend`. Each implementation module is the only one importing its
-    engine, so the other's dependencies need not be installed."""
-    if cfg.server.backend == "vllm":
-        from rollout_server.vllm_backend import VllmBackend
-
-        return await VllmBackend.create(cfg, model_path)
-    from rollout_server.hf_backend import HFBackend
-
-    return await HFBackend.create(cfg, model_path)

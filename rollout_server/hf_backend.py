@@ -12,8 +12,6 @@ import torch
 from rollout_server.backend import Adapter, AdapterLoadError, Sample
 from shared.config import TandemConfig
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 class HFBackend:
     """Two ways to serve an adapter version: as a peft adapter on the shared base (`merge=False`: little
@@ -42,7 +40,7 @@ class HFBackend:
 
         def load():
             tok = AutoTokenizer.from_pretrained(model_path)
-            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_DTYPES[cfg.model.dtype])
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
             return model.to(device).eval(), tok
 
         model, tok = await asyncio.to_thread(load)

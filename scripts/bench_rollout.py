@@ -23,7 +23,7 @@ from shared.models import resolve_model
 
 
 async def measure(backend_name: str, args) -> float:
-    from rollout_server.backend import make_backend
+    from rollout_server.app import make_backend
 
     cfg = load_config(args.config, [f"server.backend={backend_name}", "model.max_model_len=1024"])
     model = resolve_model(cfg.model.name)

@@ -4,17 +4,40 @@ one-line `error: ...` with exit code 2 for any config problem. Imports nothing h
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
 
 from shared.config import ConfigError, TandemConfig, load_config, split_overrides
 
-OVERRIDES_HELP = (
-    "Any config field can be set on the command line as --section.key=value (TOML syntax for the "
-    "value), e.g. --sampling.group_size=8 --server.port=8001. Precedence: defaults < --config file < "
-    "overrides. Sections: model, sampling, data, server, lora, grpo, learner, deepspeed; "
-    "--check-config prints them all."
-)
+OVERRIDES_HELP = """\
+Any config field can be set on the command line as --section.key=value (TOML syntax for the value),
+e.g. --sampling.group_size=8 --server.port=8001. Precedence: defaults < --config file < overrides;
+--check-config prints the resolved config."""
+
+
+def config_fields(width: int = 100) -> str:
+    """Every config field with its default and description, by section: the --help epilog."""
+    import textwrap
+
+    from pydantic import BaseModel
+
+    lines: list[str] = []
+
+    def walk(model: type[BaseModel], defaults: dict, prefix: str) -> None:
+        for name, f in model.model_fields.items():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+                lines.append(f"[{prefix}{name}]")
+                walk(f.annotation, defaults[name], f"{prefix}{name}.")
+                continue
+            lines.append(f"  --{prefix}{name}={json.dumps(defaults[name])}")
+            if f.description:
+                lines.extend(
+                    textwrap.wrap(f.description, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+                )
+
+    walk(TandemConfig, TandemConfig().model_dump(), "")
+    return "\n".join(lines)
 
 
 def parse_cli(
@@ -24,7 +47,14 @@ def parse_cli(
     add_arguments: Callable[[argparse.ArgumentParser], None],
 ) -> tuple[argparse.Namespace, TandemConfig]:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=OVERRIDES_HELP)
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=OVERRIDES_HELP
+        + "\n\nConfig fields (defaults; a --config file may set others):\n"
+        + config_fields(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", metavar="TOML", help="config file (see deploy/configs/)")
     parser.add_argument(
         "--check-config", action="store_true", help="validate the config, print it resolved as JSON, exit"

@@ -25,7 +25,11 @@ class ModelConfig(_Section):
         default="smollm2-135m",
         description="'smollm2-135m' (embedded, offline), a Hugging Face hub id, or a local model folder",
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16",
+        description="the one precision: the server generates in it and the learner trains in it (DeepSpeed's "
+        "bf16/fp16 mode follows), so sampler and learner log-probs come from the same arithmetic",
+    )
     max_model_len: int = Field(default=1024, ge=64, description="prompt + completion tokens")
 
 
@@ -150,7 +154,6 @@ class GRPOConfig(_Section):
 
 class DeepSpeedConfig(_Section):
     zero_stage: int = Field(default=2, ge=0, le=3)
-    bf16: bool = True
     offload_optimizer: bool = True
     gradient_clipping: float = Field(default=1.0, ge=0)
     overrides: dict[str, Any] = Field(default={}, description="merged last into the DeepSpeed JSON config")
@@ -220,6 +223,16 @@ class TandemConfig(_Section):
     grpo: GRPOConfig = GRPOConfig()
     learner: LearnerConfig = LearnerConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("deepspeed"), dict) and "bf16" in data["deepspeed"]:
+            raise ValueError(
+                "deepspeed.bf16 is gone: the learner trains in model.dtype (bfloat16 turns DeepSpeed's bf16 "
+                "on); delete the line"
+            )
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> TandemConfig:

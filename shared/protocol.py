@@ -21,6 +21,30 @@ Version = Annotated[
 ]
 TokenId = Annotated[int, Field(ge=0)]
 
+# POST /v1/adapters is multipart/form-data (weights are binary): these are its fields, and the file names
+# peft writes, which the server stores under.
+UPLOAD_VERSION_FIELD = "version"
+UPLOAD_CONFIG_FIELD = "adapter_config"
+UPLOAD_WEIGHTS_FIELD = "adapter_model"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+DEGENERATE_TOL = 1e-6
+
+
+def is_degenerate(rewards: list[float], tol: float = DEGENERATE_TOL) -> bool:
+    """A group whose rewards are all equal (max - min <= tol): zero std, no learning signal. The one
+    definition: the server counts these, the learner drops them (dynamic sampling) and zeroes their
+    advantages (learner.grpo.degenerate_groups, the same test on tensors)."""
+    return max(rewards) - min(rewards) <= tol
+
+
+def adapter_name(version: int) -> str:
+    """The name a policy version is served (and answered) under. Each version has its own: vLLM keys its
+    prefix cache by name, and same-name reloads have served stale KV and stale weights (vLLM #42125)."""
+    return f"policy-v{version}"
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -10,72 +10,17 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from rollout_server.app import _generate_in_chunks, create_app
-from rollout_server.backend import GenerationAborted, Sample
+from rollout_server.app import _generate_in_chunks
 from rollout_server.producer import StateError, load_cursor
 from shared.config import TandemConfig
-from shared.datasets import Problem, epoch_order
-
-
-class FakeTokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        return [1] + [2 + len(m["content"]) % 50 for m in messages]
-
-    def __len__(self):
-        return 100
-
-
-class FakeBackend:
-    """Answers "#### <answer>" for every sample; records each generate call's shape."""
-
-    name = "fake"
-
-    def __init__(self, fail_after: int | None = None, delay_s: float = 0.0, abort_first: bool = False):
-        self.tokenizer = FakeTokenizer()
-        self.calls: list[tuple[int, int]] = []  # (prompts, n) of each call
-        self.fail_after, self.delay_s, self.abort_first = fail_after, delay_s, abort_first
-
-    async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True):
-        self.calls.append((len(prompts), n))
-        if self.fail_after is not None and len(self.calls) > self.fail_after:
-            raise RuntimeError("engine core died")
-        if self.abort_first and len(self.calls) == 1:
-            raise GenerationAborted("the engine did not finish the request (abort)")
-        await asyncio.sleep(self.delay_s)
-        lps = [-0.5] if logprobs else []
-        return [[Sample([7], lps, "#### 3", "stop") for _ in range(n)] for _ in prompts]
-
-    async def score(self, prompt, completion, adapter):
-        return [-0.5] * len(completion)
-
-    async def load_adapter(self, adapter): ...
-    async def unload_adapter(self, adapter): ...
-    async def sleep(self): ...
-    async def wake(self): ...
-    async def close(self): ...
-
-
-PROBLEMS = [Problem(f"arith-train-{i}", f"What is {i} + 1?", "3") for i in range(20)]
-
-
-def _app(tmp_path, backend, on_fatal=lambda: None, **server):
-    cfg = TandemConfig.model_validate(
-        {
-            "sampling": {"group_size": 4},
-            "server": {"state_dir": str(tmp_path / "state"), "prompts_per_batch": 2, **server},
-        }
-    )
-
-    async def factory():
-        return backend
-
-    return create_app(cfg, PROBLEMS, str(tmp_path), factory, on_fatal)
+from shared.datasets import epoch_order
+from tests.fakes import PROBLEMS, FakeBackend, fake_app
 
 
 def test_a_dead_producer_turns_health_503_and_asks_to_exit(tmp_path, monkeypatch):
     monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
     fatal = []
-    with TestClient(_app(tmp_path, FakeBackend(fail_after=1), on_fatal=lambda: fatal.append(1))) as c:
+    with TestClient(fake_app(tmp_path, FakeBackend(fail_after=1), on_fatal=lambda: fatal.append(1))) as c:
         for _ in range(100):
             if fatal:
                 break
@@ -87,7 +32,7 @@ def test_a_dead_producer_turns_health_503_and_asks_to_exit(tmp_path, monkeypatch
 
 def test_sigterm_cancels_an_evaluation_in_flight_with_503(tmp_path, monkeypatch):
     monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
-    app = _app(tmp_path, FakeBackend(delay_s=30.0))
+    app = fake_app(tmp_path, FakeBackend(delay_s=30.0))
     with TestClient(app) as c:
         app.state.loop.call_later(0.5, app.state.server.begin_shutdown)  # what the SIGTERM handler does
         r = c.post("/v1/generate", json={"prompts": ["What is 1 + 1?"], "n": 2})
@@ -96,7 +41,7 @@ def test_sigterm_cancels_an_evaluation_in_flight_with_503(tmp_path, monkeypatch)
 
 def test_an_evaluation_past_its_time_limit_gets_504(tmp_path, monkeypatch):
     monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
-    with TestClient(_app(tmp_path, FakeBackend(delay_s=30.0), generate_timeout_s=0.5)) as c:
+    with TestClient(fake_app(tmp_path, FakeBackend(delay_s=30.0), generate_timeout_s=0.5)) as c:
         r = c.post("/v1/generate", json={"prompts": ["What is 1 + 1?"], "n": 2})
     assert r.status_code == 504 and "server.generate_timeout_s=0.5" in r.json()["detail"]
 
@@ -168,7 +113,7 @@ def test_the_server_names_a_damaged_cursor_and_exits_before_loading_the_engine(t
 def test_a_batch_the_engine_aborted_is_made_again_not_queued(tmp_path, monkeypatch):
     monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
     backend = FakeBackend(abort_first=True)
-    with TestClient(_app(tmp_path, backend)) as c:
+    with TestClient(fake_app(tmp_path, backend)) as c:
         r = c.post("/v1/groups/pull", json={"max_groups": 2, "wait_s": 10})
         health = c.get("/health")
     # The aborted batch's prompts were not consumed: the first groups are of the first two in the order.
@@ -183,14 +128,14 @@ def test_serve_exits_1_when_the_producer_dies_so_a_supervisor_restarts_it(tmp_pa
     second batch fails as a dead engine core would. The process must end (code 1), not linger on 503."""
     import signal
 
-    import rollout_server.backend as backend_module
+    import rollout_server.app as app_module
     from rollout_server.app import serve
     from shared.net import free_port
 
     async def fake_backend(cfg, model_path):
         return FakeBackend(fail_after=1)
 
-    monkeypatch.setattr(backend_module, "make_backend", fake_backend)
+    monkeypatch.setattr(app_module, "make_backend", fake_backend)
     monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
     cfg = TandemConfig.model_validate(
         {

@@ -87,8 +87,15 @@ def test_dump_round_trips():
 
 @pytest.mark.parametrize("path", sorted((REPO / "deploy" / "configs").glob("*.toml")), ids=lambda p: p.name)
 def test_example_configs_load_and_start_with_their_command(path):
+    """The first line is a comment with the command that runs this very config: `python -m ... --config
+    deploy/configs/<it>`, or `docker compose [-f FILE ...] up` whose compose files name it."""
     first = path.read_text().splitlines()[0]
-    assert first.startswith("# ") and "python -m" in first or "docker compose" in first, first
+    assert first.startswith("# "), first
+    if f"--config deploy/configs/{path.name}" not in first:
+        assert first.startswith("# docker compose "), first
+        words = first.split("(")[0].split()
+        files = [words[i + 1] for i, w in enumerate(words) if w == "-f"] or ["docker-compose.yml"]
+        assert any(path.name in (REPO / f).read_text() for f in files), (first, files)
     load_config(path)
 
 

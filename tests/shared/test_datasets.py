@@ -110,4 +110,5 @@ def test_chat_prompt_uses_the_models_template(model_dir):
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
     assert "What is 2+3?" in text and INSTRUCTION in text
-    assert json.dumps(ids)  # plain ints, ready for the wire
+    assert type(ids) is list and all(type(i) is int for i in ids)  # plain ints (no tensor), for the wire
+    assert json.loads(json.dumps(ids)) == ids

@@ -1,8 +1,11 @@
+import json
 import math
+from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from learner.client import ServerError
 from shared import protocol as P
 
 
@@ -57,8 +60,13 @@ def test_every_model_round_trips_through_json(obj):
     assert again == obj
 
 
-def test_health_carries_protocol_version():
-    assert EXAMPLES[9].protocol_version == P.PROTOCOL_VERSION
+def test_a_learner_refuses_a_server_of_another_protocol_version():
+    from tests.learner.test_client import scripted
+
+    other = json.loads(EXAMPLES[9].model_dump_json()) | {"protocol_version": "0"}
+    c, _, _ = scripted([(200, json.dumps(other))])
+    with pytest.raises(ServerError, match="protocol mismatch: server at http://server speaks v0"):
+        c.wait_ready(5.0)
 
 
 @pytest.mark.parametrize(
@@ -100,3 +108,53 @@ def test_invalid_json_payloads_are_rejected():
 
 def test_group_rewards_property():
     assert _group().rewards == [1.0, 0.0]
+
+
+SNAPSHOT = Path(__file__).parent / "protocol_snapshot.json"
+
+
+def wire_schema() -> dict:
+    """Everything that crosses the wire: each model's JSON schema, the multipart upload's fields and file
+    names, the adapter naming and the version bound."""
+    models = {
+        name: obj.model_json_schema()
+        for name, obj in vars(P).items()
+        if isinstance(obj, type) and issubclass(obj, BaseModel) and obj.__module__ == P.__name__
+        and not name.startswith("_")
+    }  # fmt: skip
+    upload = {
+        "version": P.UPLOAD_VERSION_FIELD, "config": P.UPLOAD_CONFIG_FIELD, "weights": P.UPLOAD_WEIGHTS_FIELD,
+        "config_file": P.ADAPTER_CONFIG_FILE, "weights_file": P.ADAPTER_WEIGHTS_FILE,
+    }  # fmt: skip
+    return {
+        "models": models,
+        "upload": upload,
+        "adapter_name": P.adapter_name(7),
+        "max_version": P.MAX_VERSION,
+    }
+
+
+def test_the_wire_format_changes_only_with_a_new_protocol_version():
+    """Regenerate after a deliberate change, with PROTOCOL_VERSION bumped:
+    .venv/bin/python -m tests.shared.test_protocol"""
+    saved = json.loads(SNAPSHOT.read_text())
+    if wire_schema() != saved["schema"]:
+        assert saved["protocol_version"] != P.PROTOCOL_VERSION, (
+            "the wire format changed but PROTOCOL_VERSION did not: bump it in shared/protocol.py (a learner "
+            "and a server of different versions must refuse each other), then regenerate the snapshot with "
+            "`.venv/bin/python -m tests.shared.test_protocol`"
+        )
+        pytest.fail(
+            "PROTOCOL_VERSION was bumped: regenerate the snapshot (`python -m tests.shared.test_protocol`)"
+        )
+    assert saved["protocol_version"] == P.PROTOCOL_VERSION, "the snapshot is of another protocol version"
+
+
+if __name__ == "__main__":
+    SNAPSHOT.write_text(
+        json.dumps(
+            {"protocol_version": P.PROTOCOL_VERSION, "schema": wire_schema()}, indent=1, sort_keys=True
+        )
+        + "\n"
+    )
+    print(f"wrote {SNAPSHOT} for protocol v{P.PROTOCOL_VERSION}")

@@ -1,0 +1,127 @@
+"""A deterministic in-process engine behind the RolloutBackend protocol, and the app built on it: the fast
+tests of the server's logic (routes, producer, policy) run on these; the real engines run end to end in
+the slow tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+from rollout_server.app import create_app
+from rollout_server.backend import GenerationAborted, Sample
+from shared.config import TandemConfig
+from shared.datasets import Problem
+
+PROBLEMS = [Problem(f"arith-train-{i}", f"What is {i} + 1?", "3") for i in range(20)]
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return [1] + [2 + ord(ch) % 90 for m in messages for ch in m["content"]]
+
+    def __len__(self):
+        return 100
+
+
+class FakeBackend:
+    """Sample i of a prompt answers "#### 3" when i is even and "#### 4" when odd (so with the answer 3
+    every group has rewards 1, 0, 1, 0, ...), with logprob -0.5 a token. Records each generate call's
+    shape and adapter, and the adapters loaded and unloaded.
+
+    fail_after: calls past this many raise (an engine that died). delay_s: each call takes this long.
+    abort_first: the first call is aborted as vLLM's sleep() aborts requests. release: an asyncio.Event
+    that each call waits for (the test sets it to let the batch finish). unusable: (prompt token ids,
+    "empty" | "nan"): that prompt's first sample comes back with no tokens or with a NaN logprob.
+    """
+
+    name = "fake"
+
+    def __init__(
+        self,
+        fail_after: int | None = None,
+        delay_s: float = 0.0,
+        abort_first: bool = False,
+        release: asyncio.Event | None = None,
+        unusable: tuple[list[int], str] | None = None,
+    ):
+        self.tokenizer = FakeTokenizer()
+        self.calls: list[tuple[int, int]] = []  # (prompts, n) of each call
+        self.adapters: list[int] = []  # the adapter version (0: base) of each call
+        self.loaded: list[int] = []
+        self.unloaded: list[int] = []
+        self.fail_after, self.delay_s, self.abort_first = fail_after, delay_s, abort_first
+        self.release, self.unusable = release, unusable
+        self.started = asyncio.Event()  # set when a generate call begins
+
+    async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True):
+        self.calls.append((len(prompts), n))
+        self.adapters.append(adapter.version if adapter else 0)
+        self.started.set()
+        if self.fail_after is not None and len(self.calls) > self.fail_after:
+            raise RuntimeError("engine core died")
+        if self.abort_first and len(self.calls) == 1:
+            raise GenerationAborted("the engine did not finish the request (abort)")
+        await asyncio.sleep(self.delay_s)
+        if self.release is not None:
+            await self.release.wait()
+        lp = [-0.5] if logprobs else []
+        out = [[Sample([7], lp, f"#### {3 + i % 2}", "stop") for i in range(n)] for _ in prompts]
+        for row, prompt in zip(out, prompts, strict=True):
+            if self.unusable and list(prompt) == list(self.unusable[0]):
+                kind = self.unusable[1]
+                row[0] = (
+                    Sample([], [], "", "stop")
+                    if kind == "empty"
+                    else Sample([7], [math.nan], "#### 3", "stop")
+                )
+        return out
+
+    async def score(self, prompt, completion, adapter):
+        return [-0.5] * len(completion)
+
+    async def load_adapter(self, adapter):
+        self.loaded.append(adapter.version)
+
+    async def unload_adapter(self, adapter):
+        self.unloaded.append(adapter.version)
+
+    async def sleep(self): ...
+    async def wake(self): ...
+    async def close(self): ...
+
+
+def fake_app(tmp_path: Path, backend: FakeBackend, on_fatal=lambda: None, problems=PROBLEMS, **server):
+    """The real app (G = 4, batches of 2 prompts) on `backend`, state under tmp_path/state."""
+    cfg = TandemConfig.model_validate(
+        {
+            "sampling": {"group_size": 4},
+            "server": {"state_dir": str(tmp_path / "state"), "prompts_per_batch": 2, **server},
+        }
+    )
+
+    async def factory():
+        return backend
+
+    return create_app(cfg, problems, str(tmp_path), factory, on_fatal)
+
+
+def tiny_adapter(folder: Path, r: int = 2, value: float = 0.01) -> Path:
+    """A valid peft-format LoRA adapter on layer 0's q_proj (8 x 8), for a server whose model has no
+    weights on disk (its shapes are not checked then)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": ["q_proj"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file(
+        {
+            f"{prefix}.lora_A.weight": torch.full((r, 8), value),
+            f"{prefix}.lora_B.weight": torch.full((8, r), value),
+        },
+        str(folder / "adapter_model.safetensors"),
+    )
+    return folder

@@ -1,0 +1,160 @@
+"""The server's logic on the fake engine, in process (fast): the routes through a test client, the producer
+(prompt order, cursor, a batch cancelled by sleep, unusable samples) and the policy (a version retired
+while a batch still uses it). The real engines run the same paths end to end in test_server_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from rollout_server.adapters import AdapterStore
+from rollout_server.policy import Policy
+from shared import protocol as P
+from shared.datasets import chat_prompt_ids, epoch_order
+from tests.fakes import PROBLEMS, FakeBackend, FakeTokenizer, fake_app, tiny_adapter
+
+ORDER = epoch_order(len(PROBLEMS), 0, 0)  # the producer's prompt order in epoch 0 (data.seed 0)
+
+
+@pytest.fixture(autouse=True)
+def _no_token(monkeypatch):
+    monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
+
+
+def _pull(c: TestClient, n: int, wait_s: float = 10.0) -> dict:
+    r = c.post("/v1/groups/pull", json={"max_groups": n, "wait_s": wait_s})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _publish(c: TestClient, version: int, folder) -> object:
+    files = {
+        P.UPLOAD_CONFIG_FIELD: (P.ADAPTER_CONFIG_FILE, (folder / P.ADAPTER_CONFIG_FILE).read_bytes()),
+        P.UPLOAD_WEIGHTS_FIELD: (P.ADAPTER_WEIGHTS_FILE, (folder / P.ADAPTER_WEIGHTS_FILE).read_bytes()),
+    }
+    return c.post("/v1/adapters", data={P.UPLOAD_VERSION_FIELD: str(version)}, files=files)
+
+
+def _metric(c: TestClient, name: str) -> float:
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+def test_pull_gives_scored_groups_in_prompt_order_and_ack_settles_the_lease(tmp_path):
+    with TestClient(fake_app(tmp_path, FakeBackend())) as c:
+        body = _pull(c, 2)
+        assert [g["prompt_id"] for g in body["groups"]] == [PROBLEMS[i].id for i in ORDER[:2]]
+        for g in body["groups"]:
+            assert g["policy_version"] == 0 and len(g["completions"]) == 4
+            assert [x["reward"] for x in g["completions"]] == [1.0, 0.0, 1.0, 0.0]  # "#### 3" vs "#### 4"
+            q = PROBLEMS[int(g["prompt_id"].rsplit("-", 1)[1])].question
+            assert g["prompt_token_ids"] == chat_prompt_ids(FakeTokenizer(), q)
+        assert c.get("/health").json()["leased"] == 2
+        assert c.post("/v1/groups/ack", json={"lease_id": body["lease_id"]}).json() == {"acked": 2}
+        assert c.post("/v1/groups/ack", json={"lease_id": body["lease_id"]}).status_code == 404
+        health = c.get("/health").json()
+        assert health["leased"] == 0 and health["policy_version"] == 0 and health["group_size"] == 4
+        assert _metric(c, "tandem_groups_acked") == 2.0
+    events = [json.loads(line) for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds.index("lease") < kinds.index("ack")
+
+
+def test_a_published_version_is_served_and_stamps_every_group_made_after_it(tmp_path):
+    backend = FakeBackend()
+    with TestClient(fake_app(tmp_path, backend, queue_size=4)) as c:
+        _pull(c, 2)
+        r = _publish(c, 1, tiny_adapter(tmp_path / "a1"))
+        assert r.status_code == 200 and r.json() == {"version": 1, "name": P.adapter_name(1)}
+        assert c.get("/health").json()["policy_version"] == 1 and backend.loaded == [1]
+        assert _metric(c, "tandem_policy_version") == 1.0
+        versions = []
+        for _ in range(10):  # what was queued before the publish, then groups of v1
+            versions += [g["policy_version"] for g in _pull(c, 2)["groups"]]
+            if versions[-1] == 1:
+                break
+        assert versions == sorted(versions) and versions[-1] == 1  # never a v0 group after a v1 one
+        assert backend.adapters[-1] == 1
+        again = _publish(c, 1, tiny_adapter(tmp_path / "a1"))
+        assert again.status_code == 409 and "versions only move forward" in again.json()["detail"]
+        wrong = c.post("/v1/adapters", data={"version": "2"}, files={"weights": ("x", b"x")})
+        assert wrong.status_code == 422  # the protocol's field names, or nothing
+
+
+def test_sleep_stops_production_and_evaluation_until_wake(tmp_path):
+    with TestClient(fake_app(tmp_path, FakeBackend())) as c:
+        _pull(c, 2)
+        assert c.post("/v1/sleep").json() == {"sleeping": True}
+        assert c.get("/health").json()["sleeping"] and _metric(c, "tandem_sleeping") == 1.0
+        while c.get("/health").json()["queue_depth"]:  # drain what was made before the sleep
+            _pull(c, 4, wait_s=0.1)
+        t0 = time.monotonic()
+        assert _pull(c, 2, wait_s=30)["groups"] == []  # asleep with nothing queued: answered at once
+        assert time.monotonic() - t0 < 5
+        r = c.post("/v1/generate", json={"prompts": ["What is 1 + 1?"]})
+        assert r.status_code == 409 and "asleep" in r.json()["detail"]
+        assert c.post("/v1/wake").json() == {"sleeping": False} and _metric(c, "tandem_sleeping") == 0.0
+        assert len(_pull(c, 2)["groups"]) == 2
+
+
+def test_a_batch_cancelled_by_sleep_is_made_again_and_the_cursor_moves_only_on_success(tmp_path):
+    release = asyncio.Event()
+    backend = FakeBackend(release=release)
+    app = fake_app(tmp_path, backend)
+    cursor = tmp_path / "state" / "cursor.json"
+    with TestClient(app) as c:
+        deadline = time.monotonic() + 10
+        while not backend.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.calls == [(2, 4)]  # the first batch is in the engine, held there
+        c.post("/v1/sleep")  # cancels it: its prompts are not consumed
+        assert not cursor.exists()
+        c.post("/v1/wake")
+        app.state.loop.call_soon_threadsafe(release.set)
+        body = _pull(c, 2)
+        assert [g["prompt_id"] for g in body["groups"]] == [PROBLEMS[i].id for i in ORDER[:2]]
+    saved = json.loads(cursor.read_text())
+    assert saved["epoch"] * len(PROBLEMS) + saved["position"] >= 2  # at least the batch that came through
+    assert len(backend.calls) >= 2 and backend.calls[1] == (2, 4)
+
+
+@pytest.mark.parametrize("kind", ["empty", "nan"])
+def test_a_group_with_an_unusable_sample_is_dropped_and_counted(tmp_path, kind):
+    first = chat_prompt_ids(FakeTokenizer(), PROBLEMS[ORDER[0]].question)
+    with TestClient(fake_app(tmp_path, FakeBackend(unusable=(first, kind)))) as c:
+        groups = _pull(c, 3)["groups"]
+        assert PROBLEMS[ORDER[0]].id not in [g["prompt_id"] for g in groups]
+        assert [g["prompt_id"] for g in groups][:1] == [PROBLEMS[ORDER[1]].id]
+        assert _metric(c, "tandem_groups_invalid_total") >= 1.0
+
+
+def test_a_retired_version_is_unloaded_only_when_the_last_batch_using_it_ends(tmp_path):
+    async def scenario():
+        backend = FakeBackend()
+        policy = Policy(backend, AdapterStore(tmp_path / "adapters"))
+        files = tiny_adapter(tmp_path / "src")
+
+        def write(v):
+            return policy.store.write(
+                v, (files / P.ADAPTER_CONFIG_FILE).read_bytes(), (files / P.ADAPTER_WEIGHTS_FILE).read_bytes()
+            )
+
+        await policy.publish(1, write)
+        in_use = policy.acquire()  # a batch generating on v1
+        await policy.publish(2, write)
+        assert policy.version == 2 and backend.unloaded == []  # v1 stays loaded under the batch
+        fresh = policy.acquire()
+        await policy.release(fresh)
+        assert backend.unloaded == []  # releasing v2 does not touch v1
+        await policy.release(in_use)
+        assert backend.unloaded == [1]
+        await policy.publish(3, write)  # nothing uses v2: unloaded at once
+        assert backend.unloaded == [1, 2] and backend.loaded == [1, 2, 3]
+
+    asyncio.run(scenario())
