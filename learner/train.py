@@ -332,46 +332,77 @@ class _Run:
     published: bool = True  # False: stopped before the last step's publish (server unreachable)
 
 
+def _pull(run: _Run, state: ckpt.State) -> Pulled | None:
+    """The step's groups: replayed from a file, or pulled from the server on rank 0 and broadcast. None:
+    stopped while waiting for the server (this step has not begun)."""
+    if run.cfg.learner.replay_file:
+        groups = ckpt.replay_groups(run.cfg.learner.replay_file, state.step + 1)
+        return Pulled(groups, [], seen=len(groups), degenerate=sum(map(is_degenerate, groups)))
+    pulled = broadcast_object(
+        _collect(run.client, run.cfg, state, run.out, run.log) if run.rank == 0 else None
+    )
+    if isinstance(pulled, str):
+        raise ckpt.OutDirError(pulled)
+    return pulled
+
+
+def _before_training(run: _Run) -> None:
+    """Time-sliced: the server stops producing and frees its memory; the base weights come back to the
+    GPU. Interrupted: the server is down, so it is not producing either; train, then stop."""
+    if run.client is not None and run.cfg.learner.placement == "timeslice":
+        with contextlib.suppress(Interrupted):
+            run.client.sleep()
+    if run.offload:
+        move_frozen(run.engine.module, run.device)
+
+
+def _handoff(run: _Run, state: ckpt.State, pulled: Pulled, adapter) -> tuple[bool, float]:
+    """ack the step's leases -> publish its adapter -> [wake the server]. Returns (interrupted: the server
+    could not be reached, so --resume will finish this; the server's queue depth after)."""
+    client, depth = run.client, 0.0
+    crash_point("before_ack", state.step)
+    if client is None:
+        return False, depth
+    try:
+        for lease_id in pulled.lease_ids:
+            ack(client, lease_id)
+        ckpt.write_inflight(run.out, [])
+        crash_point("before_publish", state.step)
+        client.publish(state.version, adapter)
+        crash_point("after_publish", state.step)
+        if run.cfg.learner.placement == "timeslice":
+            client.wake()
+        depth = float(client.health().queue_depth)
+    except Interrupted as e:
+        run.log(f"{e}: stopping with step {state.step} not yet acked/published; --resume will do it")
+        return True, depth
+    return False, depth
+
+
 def _loop(run: _Run, state: ckpt.State) -> None:
-    """pull -> [sleep] -> train -> persist (adapter, groups, checkpoint) -> ack -> publish -> [wake]"""
-    cfg, engine, client, out, rank, world, log = (
-        run.cfg, run.engine, run.client, run.out, run.rank, run.world, run.log
-    )  # fmt: skip
-    pad_id, stop, sink = run.pad_id, run.stop, run.sink
-    replay = cfg.learner.replay_file
-    handoff = {"seconds": 0.0, "queue_depth": 0.0}  # the previous step's ack + publish + wake
+    """pull -> [sleep] -> train -> persist (adapter, groups, checkpoint) -> metrics -> ack -> publish ->
+    [wake], until learner.steps or a stop."""
+    cfg, engine = run.cfg, run.engine
+    handoff_s, queue_depth = 0.0, 0.0  # the previous step's ack + publish + wake
     t_step = time.perf_counter()
     while state.step < cfg.learner.steps:
-        if replay:
-            groups = ckpt.replay_groups(replay, state.step + 1)
-            pulled = Pulled(groups, [], seen=len(groups), degenerate=sum(map(is_degenerate, groups)))
-        else:
-            pulled = broadcast_object(_collect(client, cfg, state, out, log) if rank == 0 else None)
-            if pulled is None:  # stopped while waiting for the server: this step has not begun
-                return  # the last step's checkpoint stands; inflight_leases.json names what was pulled
-            if isinstance(pulled, str):
-                raise ckpt.OutDirError(pulled)
-        if client is not None and cfg.learner.placement == "timeslice":
-            # The server stops producing and frees its memory while we train. Interrupted: it is down, so
-            # it is not producing either; train, then stop.
-            with contextlib.suppress(Interrupted):
-                client.sleep()
-        if run.offload:
-            move_frozen(engine.module, run.device)  # the base weights back, now that the server sleeps
-
+        pulled = _pull(run, state)
+        if pulled is None:  # stopped while waiting for the server: the last step's checkpoint stands
+            return
+        _before_training(run)
         t_train = time.perf_counter()
-        metrics = train_step(engine, pulled.groups, cfg, rank, world, pad_id)
+        metrics = train_step(engine, pulled.groups, cfg, run.rank, run.world, run.pad_id)
         train_s = time.perf_counter() - t_train
         state.step += 1
         state.version += 1
         state.pending_leases = pulled.lease_ids
 
         t_save = time.perf_counter()
-        stopping = broadcast_object(stop.requested)  # rank 0 decides, so no rank waits alone in a collective
-        adapter, error = _persist(engine, cfg, out, state, pulled, rank)
+        stopping = broadcast_object(run.stop.requested)  # rank 0 decides: no rank waits alone in a collective
+        adapter, error = _persist(engine, cfg, run.out, state, pulled, run.rank)
         if error is not None:
-            if client is not None:  # not durably trained: the groups go back, and the server goes on
-                release(client, pulled.lease_ids)
+            if run.client is not None:  # not durably trained: the groups go back, and the server goes on
+                release(run.client, pulled.lease_ids)
             raise ckpt.CheckpointError(error)
         if run.offload:
             move_frozen(engine.module, "cpu")  # free the GPU before the server wakes
@@ -382,34 +413,54 @@ def _loop(run: _Run, state: ckpt.State) -> None:
             "policy/version": float(state.version),
             "perf/train_s": train_s,
             "perf/save_s": time.perf_counter() - t_save,
-            "perf/publish_s": handoff["seconds"],
+            "perf/publish_s": handoff_s,
             "perf/step_s": time.perf_counter() - t_step,
-            "server/queue_depth": handoff["queue_depth"],
+            "server/queue_depth": queue_depth,
         }
-        with ckpt.writing(out, "metrics.jsonl"):
-            sink.write(state.step, metrics)
-        crash_point("before_ack", state.step)
-        t_handoff, interrupted = time.perf_counter(), False
-        if client is not None:
-            try:
-                for lease_id in pulled.lease_ids:
-                    ack(client, lease_id)
-                ckpt.write_inflight(out, [])
-                crash_point("before_publish", state.step)
-                client.publish(state.version, adapter)
-                crash_point("after_publish", state.step)
-                if cfg.learner.placement == "timeslice":
-                    client.wake()
-                handoff["queue_depth"] = float(client.health().queue_depth)
-            except Interrupted as e:
-                log(f"{e}: stopping with step {state.step} not yet acked/published; --resume will do it")
-                interrupted = True
+        with ckpt.writing(run.out, "metrics.jsonl"):
+            run.sink.write(state.step, metrics)
+        t_handoff = time.perf_counter()
+        interrupted, queue_depth = _handoff(run, state, pulled, adapter)
         state.pending_leases = []
-        handoff["seconds"] = time.perf_counter() - t_handoff
+        handoff_s = time.perf_counter() - t_handoff
         if stopping or broadcast_object(interrupted):
             run.published = not interrupted
             return
-        t_step = time.perf_counter() - handoff["seconds"]  # a step's time includes the handoff before it
+        t_step = time.perf_counter() - handoff_s  # a step's time includes the handoff before it
+
+
+def _connect(cfg: TandemConfig, log, stop: _Stop) -> RolloutClient:
+    """A client for the server, once it answers; its group size must be the learner's."""
+    client = RolloutClient(
+        cfg.learner.server_url,
+        token=os.environ.get(cfg.learner.api_token_env) or None,
+        retry_s=cfg.learner.server_retry_s,
+        log=log,
+        should_stop=lambda: stop.requested,
+    )
+    health = client.wait_ready(cfg.learner.connect_timeout_s, log=log)
+    log(f"server ok: {health.backend} backend, {health.model}, serving v{health.policy_version}")
+    if health.group_size != cfg.sampling.group_size:
+        raise ServerError(
+            f"server samples group_size={health.group_size}, learner expects sampling.group_size="
+            f"{cfg.sampling.group_size}: start both from the same config"
+        )
+    return client
+
+
+def _write_summary(run: _Run, state: ckpt.State, digest_start: str | None) -> None:
+    """run_summary.json: where the run ended, and evidence that the base stayed frozen and that ZeRO-2
+    split the optimizer state (tests read both)."""
+    optimizer_numel = gather_objects(optimizer_state_numel(run.engine))  # a collective: every rank
+    if run.rank != 0:
+        return
+    summary = {
+        "step": state.step, "policy_version": state.version, "world_size": run.world,
+        "base_sha256_start": digest_start, "base_sha256_end": ckpt.base_digest(run.engine),
+        "optimizer_state_numel_per_rank": optimizer_numel,
+    }  # fmt: skip
+    with ckpt.writing(run.out, "run_summary.json"):
+        (run.out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
@@ -423,24 +474,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
 
     replay = cfg.learner.replay_file
     shares_gpu = cfg.learner.placement == "timeslice" and not on_cpu
-    client = None
-    if lead and not replay:
-        token = os.environ.get(cfg.learner.api_token_env) or None
-        client = RolloutClient(
-            cfg.learner.server_url,
-            token=token,
-            retry_s=cfg.learner.server_retry_s,
-            log=log,
-            should_stop=lambda: stop.requested,
-        )
-        health = client.wait_ready(cfg.learner.connect_timeout_s, log=log)
-        log(f"server ok: {health.backend} backend, {health.model}, serving v{health.policy_version}")
-        if health.group_size != cfg.sampling.group_size:
-            raise ServerError(
-                f"server samples group_size={health.group_size}, learner expects sampling.group_size="
-                f"{cfg.sampling.group_size}: start both from the same config"
-            )
-
+    client = _connect(cfg, log, stop) if lead and not replay else None
     try:  # from here on the server may be asleep for us: whatever stops us must not leave it so
         engine, offload = build_beside_server(
             client, cfg, shares_gpu, lambda: build_engine(cfg, model_path, world, on_cpu), log
@@ -471,15 +505,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
         raise
 
     sink.close()
-    optimizer_numel = gather_objects(optimizer_state_numel(engine))
-    if lead:
-        summary = {
-            "step": state.step, "policy_version": state.version, "world_size": world,
-            "base_sha256_start": digest_start, "base_sha256_end": ckpt.base_digest(engine),
-            "optimizer_state_numel_per_rank": optimizer_numel,
-        }  # fmt: skip
-        with ckpt.writing(out, "run_summary.json"):
-            (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_summary(run, state, digest_start)
     served = f"server serves v{state.version}" if run.published else f"v{state.version} not yet published"
     log(f"done at step {state.step}; {served}" + (" (stopped by signal)" if stop.requested else ""))
     return 0

@@ -349,44 +349,55 @@ async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
     return await HFBackend.create(cfg, model_path)
 
 
+def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem]]:
+    """What must hold before the engine starts (minutes on a GPU): the vLLM version, the model, the
+    data, a readable cursor. Raises the errors serve() turns into `error: ...` and exit 2."""
+    from rollout_server.vllm_backend import check_vllm_version  # imports no vllm
+    from shared.datasets import load_problems
+    from shared.models import resolve_model
+
+    if cfg.server.backend == "vllm":
+        log.info("vLLM %s", check_vllm_version())
+    model_path = resolve_model(cfg.model.name)
+    problems = load_problems(cfg.data)
+    load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))
+    log.info("%d %s problems (%s split)", len(problems), cfg.data.task, cfg.data.split)
+    return model_path, problems
+
+
 def serve(cfg: TandemConfig) -> int:
+    """Run the server until SIGTERM/SIGINT (exit 0) or until its producer dies (exit 1)."""
     import uvicorn
 
-    from rollout_server.vllm_backend import VllmVersionError, check_vllm_version  # imports no vllm
-    from shared.datasets import DatasetError, load_problems
-    from shared.models import ModelError, resolve_model
+    from rollout_server.vllm_backend import VllmVersionError
+    from shared.datasets import DatasetError
+    from shared.models import ModelError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if cfg.server.backend == "vllm":
-            log.info("vLLM %s", check_vllm_version())
-        model_path = resolve_model(cfg.model.name)
-        problems = load_problems(cfg.data)
-        load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))  # before the engine starts
+        model_path, problems = _prepare(cfg)
     except (ModelError, DatasetError, StateError, VllmVersionError) as e:
         print(f"error: {e}", flush=True)
         return 2
-    log.info("%d %s problems (%s split)", len(problems), cfg.data.task, cfg.data.split)
-    fatal = []
 
     class Uvicorn(uvicorn.Server):
-        def handle_exit(self, sig, frame):
+        fatal = False
+
+        def handle_exit(self, sig, frame):  # SIGTERM: evaluation requests end now, not at their end
             super().handle_exit(sig, frame)
             if hasattr(app.state, "server"):  # runs on the loop's (main) thread, between callbacks
                 app.state.loop.call_soon_threadsafe(app.state.server.begin_shutdown)
 
-    def on_fatal():
-        fatal.append(1)
-        server.should_exit = True
+        def on_fatal(self) -> None:
+            self.fatal, self.should_exit = True, True
 
-    app = create_app(cfg, problems, model_path, lambda: make_backend(cfg, model_path), on_fatal)
+    app = create_app(
+        cfg, problems, model_path, lambda: make_backend(cfg, model_path), lambda: server.on_fatal()
+    )
+    s = cfg.server
     server = Uvicorn(
         uvicorn.Config(
-            app,
-            host=cfg.server.host,
-            port=cfg.server.port,
-            log_level="info",
-            timeout_graceful_shutdown=cfg.server.shutdown_s,
+            app, host=s.host, port=s.port, log_level="info", timeout_graceful_shutdown=s.shutdown_s
         )
     )
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler that
@@ -395,4 +406,4 @@ def serve(cfg: TandemConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: None)
     server.run()
-    return 1 if fatal else 0
+    return 1 if server.fatal else 0

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 from learner.client import RolloutClient
 from shared.models import resolve_model
 from shared.net import free_port
+from shared.procs import start_server, tandem_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,11 +66,8 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-publish-"))
     port, token = free_port(), secrets.token_hex(8)
-    env = dict(os.environ, TANDEM_API_TOKEN=token, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cli = [
         f"--server.backend={args.backend}",
-        f"--server.port={port}",
         f"--server.state_dir={work / 'server'}",
         f"--sampling.group_size={args.group_size}",
         f"--sampling.max_new_tokens={args.max_tokens}",
@@ -79,17 +75,10 @@ def main() -> int:
         "--server.queue_size=2",
     ]
     adapter = make_adapter(resolve_model("smollm2-135m"), work / "adapter")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "rollout_server", "--config", args.config, *cli],
-        cwd=REPO,
-        env=env,
-        stdout=(work / "server.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    server, url = start_server(args.config, cli, port, work / "server.log", tandem_env(token))
     latencies, uploads, peak_rss = [], [], 0
     try:
-        client = RolloutClient(f"http://127.0.0.1:{port}", token=token)
-        client.wait_ready(600, log=lambda *a: None)
+        client = RolloutClient(url, token=token)
         print(f"server up ({args.backend}); {args.publishes} publishes ...", flush=True)
         for v in range(1, args.publishes + 1):
             t0 = time.perf_counter()
@@ -107,8 +96,7 @@ def main() -> int:
             peak_rss = max(peak_rss, rss)
             print(f"  v{v}: {latencies[-1]:.2f} s (upload {uploads[-1] * 1000:.0f} ms)", flush=True)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop(timeout=60)
     result = {
         "backend": args.backend,
         "workload": f"1 prompt per batch, G={args.group_size}, <= {args.max_tokens} new tokens, LoRA r16",

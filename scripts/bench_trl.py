@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from learner.client import RolloutClient
 from shared.config import ConfigError, load_config
 from shared.net import free_port
+from shared.procs import start_server, tandem_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,24 +51,16 @@ def run_tandem(args, work: Path) -> list[tuple[float, float]]:
     port = free_port()
     extra = [
         *overrides(args),
-        f"server.port={port}",
         f"server.state_dir={work / 'server'}",
         f"learner.server_url=http://127.0.0.1:{port}",
         f"learner.out_dir={work / 'learner'}",
     ]
     token = secrets.token_hex(8)
-    env = dict(os.environ, TANDEM_API_TOKEN=token, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    env = tandem_env(token)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     cli = [f"--{o}" for o in extra]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "rollout_server", "--config", args.config, *cli],
-        cwd=REPO,
-        env=env,
-        stdout=(work / "server.log").open("wb"),
-        stderr=subprocess.STDOUT,
-    )
+    server, _ = start_server(args.config, cli, port, work / "server.log", env)
     try:
-        RolloutClient(f"http://127.0.0.1:{port}", token=token).wait_ready(600, log=lambda *a: None)
         print(f"[tandem] {args.steps} steps ...", flush=True)
         learner = subprocess.run(
             [sys.executable, "-m", "learner", "--config", args.config, *cli],
@@ -80,8 +72,7 @@ def run_tandem(args, work: Path) -> list[tuple[float, float]]:
         if learner.returncode != 0:
             raise SystemExit(f"tandem learner failed; see {work / 'learner.log'}")
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop(timeout=60)
     records = [json.loads(line) for line in (work / "learner" / "metrics.jsonl").read_text().splitlines()]
     n = args.prompts * args.group_size
     return [(r["perf/step_s"], r["completion/length"] * n) for r in records]

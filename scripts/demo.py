@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import secrets
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,28 +20,9 @@ from learner.client import RolloutClient
 from learner.evaluate import evaluate
 from shared.config import load_config
 from shared.net import free_port
+from shared.procs import Proc, tandem_env, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def start(args: list[str], log: Path, env: dict) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=env,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 class PeakRss:
@@ -54,10 +32,10 @@ class PeakRss:
     def __init__(self):
         self.peak_mib: dict[str, float] = {}
 
-    def sample(self, name: str, proc: subprocess.Popen | None) -> None:
+    def sample(self, name: str, proc: Proc | None) -> None:
         import psutil
 
-        if proc is None or proc.poll() is not None:
+        if proc is None or not proc.alive():
             return
         try:
             root = psutil.Process(proc.pid)
@@ -67,7 +45,7 @@ class PeakRss:
         self.peak_mib[name] = max(self.peak_mib.get(name, 0.0), rss / 2**20)
 
 
-def follow(proc: subprocess.Popen, log: Path, on_tick=lambda: None, prefix: str = "step ") -> None:
+def follow(proc: Proc, log: Path, on_tick=lambda: None, prefix: str = "step ") -> None:
     """Echo the learner's progress lines while it runs."""
     seen = 0
     while True:
@@ -77,7 +55,7 @@ def follow(proc: subprocess.Popen, log: Path, on_tick=lambda: None, prefix: str 
                 print("  " + line, flush=True)
         seen = len(lines)
         on_tick()
-        if proc.poll() is not None:
+        if not proc.alive():
             return
         time.sleep(1.0)
 
@@ -159,18 +137,17 @@ def main() -> int:
     overrides += extra
     cfg = load_config(REPO / args.config, [o[2:] for o in overrides])
     token = secrets.token_hex(16)
-    env = dict(os.environ, TANDEM_API_TOKEN=token, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env = tandem_env(token)
     env.setdefault("OMP_NUM_THREADS", "2")  # time-sliced: the two processes take turns
 
     print(f"tandem demo -> {out}\n")
     print(f"1/4 starting the rollout server ({cfg.server.backend} backend on CPU) ...", flush=True)
-    server = start(["-m", "rollout_server", "--config", args.config, *overrides], out / "server.log", env)
+    server = Proc(["-m", "rollout_server", "--config", args.config, *overrides], out / "server.log", env)
     learner = None
     rss = PeakRss()
     try:
+        wait_healthy(server, cfg.learner.server_url)
         client = RolloutClient(cfg.learner.server_url, token=token)
-        client.wait_ready(600, log=lambda *a: None)
         print(
             f"2/4 held-out accuracy of the base model ({args.eval_problems} problems, greedy) ...", flush=True
         )
@@ -182,7 +159,7 @@ def main() -> int:
             f"{cfg.learner.prompts_per_step} prompts/step) ...",
             flush=True,
         )
-        learner = start(["-m", "learner", "--config", args.config, *overrides], out / "learner.log", env)
+        learner = Proc(["-m", "learner", "--config", args.config, *overrides], out / "learner.log", env)
         follow(
             learner,
             out / "learner.log",
@@ -196,8 +173,8 @@ def main() -> int:
         after = evaluate(client, cfg, None, args.eval_problems)
     finally:
         if learner is not None:
-            stop(learner)
-        stop(server)
+            learner.stop()
+        server.stop()
 
     metrics = [json.loads(line) for line in (out / "learner" / "metrics.jsonl").read_text().splitlines()]
     plot(metrics, before["pass@1_greedy"], after["pass@1_greedy"], after["version"], out / "curves.png")

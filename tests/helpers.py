@@ -2,74 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from learner.client import RolloutClient
+from shared import procs
 from shared.net import free_port  # noqa: F401 (tests import it from here)
+from shared.procs import Proc, tandem_env
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
 
 
 def proc_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        PYTHONUNBUFFERED="1",
-        OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "2"),
-        TANDEM_API_TOKEN=TOKEN,
-        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        TOKENIZERS_PARALLELISM="false",
-    )
+    env = tandem_env(TOKEN)
+    env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "2")
     env.update(extra)
     return env
-
-
-class Proc:
-    """A tandem process started in its own process group, with its output in a log file."""
-
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
-        self.log_path = log
-        self._log = log.open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, *args],
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env or proc_env(),
-            start_new_session=True,
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            os.killpg(self.proc.pid, sig)
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        # Children (vLLM's engine core, DeepSpeed ranks) live in the same group: make sure they are gone.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self._log.close()
 
 
 # A small run of cpu.toml that end-to-end tests share: G = 4, two prompts per step in one micro-batch
@@ -99,6 +49,7 @@ def start_learner(
 
 
 def server_args(config: str, port: int, state_dir: Path, overrides: list[str]) -> list[str]:
+    """`python -m rollout_server` arguments, for tests that start (and restart) a server themselves."""
     return [
         "-m",
         "rollout_server",
@@ -106,8 +57,7 @@ def server_args(config: str, port: int, state_dir: Path, overrides: list[str]) -
         config,
         f"--server.port={port}",
         f"--server.state_dir={state_dir}",
-        *overrides,
-    ]
+    ] + [*overrides]
 
 
 def start_server(
@@ -116,21 +66,11 @@ def start_server(
     config: str = "deploy/configs/cpu.toml",
     timeout: float = 400.0,
     env: dict[str, str] | None = None,
-):
-    port = free_port()
-    proc = Proc(server_args(config, port, tmp / "server", overrides), tmp / "server.log", env=env)
-    client = RolloutClient(f"http://127.0.0.1:{port}", token=TOKEN)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"server exited with {proc.proc.returncode}:\n{proc.log()[-4000:]}")
-        try:
-            client.health()
-            return proc, client
-        except Exception:
-            time.sleep(1.0)
-    proc.stop()
-    raise RuntimeError(f"server not healthy after {timeout} s:\n{proc.log()[-4000:]}")
+) -> tuple[Proc, RolloutClient]:
+    """A rollout server on a free port with its state under tmp/server, healthy, and a client for it."""
+    state = [f"--server.state_dir={tmp / 'server'}", *overrides]
+    proc, url = procs.start_server(config, state, free_port(), tmp / "server.log", env or proc_env(), timeout)
+    return proc, RolloutClient(url, token=TOKEN)
 
 
 def make_adapter(

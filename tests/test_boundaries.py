@@ -63,3 +63,46 @@ def test_one_module_imports_each_engine():
         for engine in ("vllm", "deepspeed")
     }
     assert users == {"vllm": ["rollout_server/vllm_backend.py"], "deepspeed": ["learner/engine.py"]}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Project module -> the project modules it imports, at any level (function-local imports too)."""
+    mods = {
+        ".".join(f.relative_to(REPO).with_suffix("").parts): f
+        for pkg in ("shared", "rollout_server", "learner")
+        for f in _files(pkg)
+    }
+    graph = {}
+    for name, f in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            deps |= {t for t in targets if t in mods and t != name}
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycles():
+    graph, state, path = _module_graph(), {}, []
+
+    def visit(m: str) -> None:
+        state[m] = "open"
+        path.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                cycle = path[path.index(d) :] + [d]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        path.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert "rollout_server.app" in graph and graph["rollout_server.app"]  # the graph is really built
