@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -200,6 +201,7 @@ async def release(req: P.ReleaseRequest, s: Server = Depends(srv)):
 
 @router.post("/v1/adapters", response_model=P.AdapterPublished)
 async def publish_upload(
+    request: Request,
     version: int = Form(ge=1, le=P.MAX_VERSION, alias=P.UPLOAD_VERSION_FIELD),
     config_file: UploadFile = File(alias=P.UPLOAD_CONFIG_FIELD, description=P.ADAPTER_CONFIG_FILE),
     weights_file: UploadFile = File(alias=P.UPLOAD_WEIGHTS_FIELD, description=P.ADAPTER_WEIGHTS_FILE),
@@ -207,7 +209,7 @@ async def publish_upload(
 ):
     config_bytes = await _read(config_file, MAX_CONFIG_BYTES)
     weights_bytes = await _read(weights_file, int(s.cfg.server.max_adapter_mb * 2**20))
-    return await _publish(s, version, config_bytes, weights_bytes)
+    return await _publish(s, version, config_bytes, weights_bytes, getattr(request.state, "arrived", None))
 
 
 @router.post("/v1/adapters/path", response_model=P.AdapterPublished)
@@ -231,10 +233,31 @@ async def _read(upload: UploadFile, limit: int) -> bytes:
     return data
 
 
-async def _publish(s: Server, version: int, config_bytes: bytes, weights_bytes: bytes) -> P.AdapterPublished:
+async def _publish(
+    s: Server, version: int, config_bytes: bytes, weights_bytes: bytes, arrived: float | None = None
+) -> P.AdapterPublished:
+    t = {"start": time.perf_counter()}
     validate_adapter(config_bytes, weights_bytes, **s.adapter_checks)
-    adapter = await s.policy.publish(version, lambda v: s.store.write(v, config_bytes, weights_bytes))
-    s.events.write("publish", version=version)
+    t["validated"] = time.perf_counter()
+
+    def store(v: int):
+        path = s.store.write(v, config_bytes, weights_bytes)
+        t["stored"] = time.perf_counter()
+        return path
+
+    adapter = await s.policy.publish(version, store)
+    t["loaded"] = time.perf_counter()
+    phases = {
+        "receive": t["start"] - arrived if arrived is not None else 0.0,
+        "validate": t["validated"] - t["start"],
+        "store": t["stored"] - t["validated"],
+        "load": t["loaded"] - t["stored"],
+        "total": t["loaded"] - (arrived if arrived is not None else t["start"]),
+    }
+    for phase, seconds in phases.items():
+        s.metrics.publish_s.labels(phase).inc(seconds)
+    log.info("published %s: %s", adapter.name, ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items()))
+    s.events.write("publish", version=version, **{f"{k}_s": round(v, 4) for k, v in phases.items()})
     return P.AdapterPublished(version=adapter.version, name=adapter.name)
 
 

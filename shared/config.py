@@ -66,6 +66,12 @@ class VllmConfig(_Section):
     enforce_eager: bool = Field(default=True, description="skip torch.compile/CUDA graphs: fast start")
     enable_sleep_mode: bool = True
     max_num_seqs: int = Field(default=64, ge=1)
+    adapter_mode: Literal["lora", "merge"] = Field(
+        default="lora",
+        description="'lora': each version is a LoRA adapter applied by vLLM's LoRA kernels; 'merge': the "
+        "served version is written into the engine's weights (W0 + alpha/r*B*A), decoding at the base "
+        "model's speed; another version's request waits for the weights to be switched",
+    )
 
 
 class ServerConfig(_Section):

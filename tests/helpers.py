@@ -8,6 +8,7 @@ from pathlib import Path
 
 from learner.client import RolloutClient
 from shared import procs
+from shared.models import random_adapter
 from shared.net import free_port  # noqa: F401 (tests import it from here)
 from shared.procs import Proc, tandem_env
 
@@ -77,19 +78,7 @@ def make_adapter(
     model_dir: str, out: Path, *, seed: int = 0, r: int = 8, targets=("q_proj", "v_proj"), scale=0.05
 ):
     """A peft LoRA adapter with non-zero B (so it changes the model), saved in peft's format."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(targets)))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
-    model.save_pretrained(out)
-    return out
+    return random_adapter(model_dir, out, seed=seed, r=r, targets=targets, scale=scale)
 
 
 def jsonl(path: Path) -> list[dict]:

