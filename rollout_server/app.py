@@ -75,6 +75,14 @@ class Server:
         self.evaluations: set[asyncio.Task] = set()  # /v1/generate work in flight
         self.shutting_down = False
 
+    def prompt_ids(self, question: str) -> list[int]:
+        """A question as the token ids the model sees: the chat template, as for rollouts."""
+        return chat_prompt_ids(self.backend.tokenizer, question)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.backend.tokenizer)
+
     def begin_shutdown(self) -> None:
         """SIGTERM: evaluation requests end now (503) rather than hold the shutdown for minutes."""
         self.shutting_down = True
@@ -291,7 +299,7 @@ async def generate(req: P.GenerateRequest, s: Server = Depends(srv)):
             f"{cfg.server.max_generate_sequences}; split the request",
         )
     adapter = s.policy.lookup(req.version)
-    prompts = [chat_prompt_ids(s.backend.tokenizer, q) for q in req.prompts]
+    prompts = [s.prompt_ids(q) for q in req.prompts]
     room = cfg.model.max_model_len - max(len(p) for p in prompts)
     if room < 1:
         raise HTTPException(
@@ -315,9 +323,8 @@ async def score(req: P.ScoreRequest, s: Server = Depends(srv)):
     ids = req.prompt_token_ids + req.completion_token_ids
     if len(ids) > s.cfg.model.max_model_len:
         raise HTTPException(422, f"{len(ids)} tokens exceed model.max_model_len={s.cfg.model.max_model_len}")
-    vocab = len(s.backend.tokenizer)
-    if max(ids) >= vocab:
-        raise HTTPException(422, f"token id {max(ids)} is outside the vocabulary ({vocab})")
+    if max(ids) >= s.vocab_size:
+        raise HTTPException(422, f"token id {max(ids)} is outside the vocabulary ({s.vocab_size})")
     adapter = s.policy.lookup(req.version)
     logprobs = await s.backend.score(req.prompt_token_ids, req.completion_token_ids, adapter)
     return P.ScoreResponse(version=adapter.version if adapter else 0, logprobs=logprobs)

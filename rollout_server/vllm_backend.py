@@ -176,6 +176,9 @@ class VllmBackend:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cuda = current_platform.is_cuda()
+        if not cuda and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # an explicit setting wins
+            cpus = sorted(os.sched_getaffinity(0))[: vc.cpu_threads]
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
         merge = vc.adapter_mode == "merge"
         lora = {"max_lora_rank": cfg.server.max_lora_rank, "max_loras": cfg.server.max_loras}
         args = AsyncEngineArgs(

@@ -112,6 +112,9 @@ def main() -> int:
     p.add_argument("--config", default="deploy/configs/cpu.toml")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's)")
     p.add_argument("--eval-problems", type=int, default=100, help="held-out problems to score before/after")
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed of data order, sampling, LoRA init (default: config)"
+    )
     p.add_argument("--out", default=None, help="run folder (default: runs/demo-<time>)")
     p.add_argument(
         "overrides", nargs="*", metavar="--section.key=value", help="config overrides for both processes"
@@ -134,6 +137,8 @@ def main() -> int:
     ]
     if args.steps:
         overrides.append(f"--learner.steps={args.steps}")
+    if args.seed is not None:  # data order, sampling and LoRA init
+        overrides += [f"--data.seed={args.seed}", f"--server.seed={args.seed}", f"--learner.seed={args.seed}"]
     overrides += extra
     cfg = load_config(REPO / args.config, [o[2:] for o in overrides])
     token = secrets.token_hex(16)

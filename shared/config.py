@@ -15,6 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+# The environment variable that carries the bearer token, unless server/learner.api_token_env name another.
+TOKEN_ENV = "TANDEM_API_TOKEN"
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -66,6 +69,13 @@ class VllmConfig(_Section):
     enforce_eager: bool = Field(default=True, description="skip torch.compile/CUDA graphs: fast start")
     enable_sleep_mode: bool = True
     max_num_seqs: int = Field(default=64, ge=1)
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU only: cores vLLM computes on (the first N this process may use). Default: all of "
+        "them; vLLM's own default keeps one for its scheduler, half of a 2-core machine (1.7x slower here). "
+        "In split placement on one machine, leave the learner its share",
+    )
     adapter_mode: Literal["lora", "merge"] = Field(
         default="lora",
         description="'lora': each version is a LoRA adapter applied by vLLM's LoRA kernels; 'merge': the "
@@ -79,7 +89,7 @@ class ServerConfig(_Section):
     host: str = Field(default="127.0.0.1", description="bind address; loopback unless told otherwise")
     port: int = Field(default=8000, ge=1, le=65535)
     api_token_env: str = Field(
-        default="TANDEM_API_TOKEN",
+        default=TOKEN_ENV,
         description="environment variable holding the bearer token for mutating endpoints "
         "(unset or empty = no auth)",
     )
@@ -167,7 +177,9 @@ class DeepSpeedConfig(_Section):
 
 class LearnerConfig(_Section):
     server_url: str = "http://127.0.0.1:8000"
-    api_token_env: str = "TANDEM_API_TOKEN"
+    api_token_env: str = Field(
+        default=TOKEN_ENV, description="environment variable holding the server's token"
+    )
     placement: Literal["timeslice", "split"] = "timeslice"
     steps: int = Field(default=100, ge=1)
     prompts_per_step: int = Field(default=2, ge=1, description="B; the step trains on B x G completions")

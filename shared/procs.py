@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from shared.config import TOKEN_ENV
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -21,7 +23,7 @@ def tandem_env(token: str | None = None, **extra: str) -> dict[str, str]:
     env.update(PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if token is not None:
-        env["TANDEM_API_TOKEN"] = token
+        env[TOKEN_ENV] = token
     env.update(extra)
     return env
 

@@ -82,6 +82,21 @@ def test_help_imports_no_heavy_stack():
     assert "HEAVY []" in out.stdout, out.stdout[-500:]
 
 
+def test_help_lists_every_config_field_with_its_default_and_description():
+    from shared.cli import config_fields
+    from shared.config import TandemConfig
+
+    text = config_fields()
+    for section, field in TandemConfig.model_fields.items():
+        for name, f in field.annotation.model_fields.items():
+            if hasattr(f.annotation, "model_fields"):  # a subsection: its own fields are listed
+                assert f"[{section}.{name}]" in text
+                continue
+            assert f"--{section}.{name}=" in text, (section, name)
+    assert "  --learner.shared_prompt=true\n      encode each prompt once" in text
+    assert '  --server.vllm.adapter_mode="lora"\n' in text
+
+
 def test_two_single_process_learners_can_run_side_by_side(tmp_path):
     # Each initialises torch.distributed before waiting for its server; without a launcher they must
     # not share a fixed MASTER_PORT (the second used to die with EADDRINUSE).
