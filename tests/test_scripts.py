@@ -37,7 +37,15 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
 
 @pytest.mark.parametrize(
     "script",
-    ["bench_rollout.py", "bench_trl.py", "bench_publish.py", "bench_learner.py", "demo.py", "demo_matrix.py"],
+    [
+        "bench_rollout.py",
+        "bench_trl.py",
+        "bench_publish.py",
+        "bench_learner.py",
+        "demo.py",
+        "demo_matrix.py",
+        "sampling_check.py",
+    ],
 )
 def test_benchmark_help(script):
     out = _run(f"scripts/{script}", "--help", timeout=120)
