@@ -170,19 +170,24 @@ def test_shared_prompt_gives_the_plain_gradients_at_two_processes(three_steps, t
     plain, packed = (_jsonl(runs[s] / "metrics.jsonl") for s in ("false", "true"))
     for a, b in zip(plain, packed, strict=True):
         # The loss sums terms of size ~|A| = 1 that cancel (advantages have mean 0; at step 1 the ratio is 1):
-        # 1e-6 absolute is 1e-6 of its terms. The rest are means of such terms.
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
-        for k in ("grad_norm", "kl/ref", "policy/entropy", "ratio/mean", "sampler/logp_diff"):
-            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-7), k
-    grads = {}
+        # 1e-6 absolute is 1e-6 of its terms. sampler/logp_diff is itself fp32 noise (~5e-6) when the
+        # sampler serves the learner's exact weights (vLLM merge mode): 1e-6 absolute there too.
+        for k in ("loss", "grad_norm", "kl/ref", "policy/entropy", "ratio/mean", "sampler/logp_diff"):
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    grads, floor = {}, {}
     for s in ("false", "true"):
         v1, v2 = _lora(runs[s] / "adapters" / "v1"), _lora(runs[s] / "adapters" / "v2")
         grads[s] = {k: v1[k] if "lora_B" in k else v2[k] - v1[k] for k in v1}
+        # A difference of two stored fp32 weights is exact only to their rounding: 2 ulp of A's magnitude.
+        floor |= {
+            k: 0.0 if "lora_B" in k else 2 * torch.finfo(torch.float32).eps * v1[k].abs().max().item()
+            for k in v1
+        }
     assert grads["false"].keys() == grads["true"].keys()
     for k, g in grads["false"].items():
         scale = g.abs().max().item()
-        assert scale > 0, f"{k}: no gradient, nothing compared"
-        assert (g - grads["true"][k]).abs().max().item() <= 1e-4 * scale, k
+        assert scale > 10 * floor[k], f"{k}: no gradient above fp32 rounding, nothing compared"
+        assert (g - grads["true"][k]).abs().max().item() <= 1e-4 * scale + floor[k], k
 
 
 @pytest.fixture
