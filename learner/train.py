@@ -111,10 +111,12 @@ def completion_logprobs(model, b: MicroBatch | PackedBatch, dtype, temperature: 
             chunk_size=chunk_size,
             temperature=temperature,
         )  # [Q]: every real completion token, row-major over [n, T]
-        real = b.mask.bool()
-        return lp.new_zeros(real.shape).masked_scatter(real, lp), entropy.new_zeros(
-            real.shape
-        ).masked_scatter(real, entropy)
+        real = b.mask.bool()  # [n, T], the same row-major order as the picks
+
+        def spread(x):
+            return x.new_zeros(real.shape).masked_scatter(real, x)
+
+        return spread(lp), spread(entropy)
     logits = model(
         input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False
     ).logits  # [n, L, V]
@@ -127,8 +129,8 @@ def completion_logprobs(model, b: MicroBatch | PackedBatch, dtype, temperature: 
 def micro_loss(
     engine, b: MicroBatch | PackedBatch, cfg: TandemConfig, total_sequences: int, total_tokens: int
 ):
-    """One micro-batch's share of the step's GRPO loss (global normalisers), with its metrics (token
-    means, the token count under "tokens") and its policy entropy summed over its tokens."""
+    """One micro-batch's share of the step's GRPO loss (global normalisers), with its metrics: token
+    means over its completion tokens (policy entropy among them) and their count under "tokens"."""
     g, lc, temperature = cfg.grpo, cfg.learner, cfg.sampling.temperature
     module = getattr(engine, "module", engine)
     dtype = module.get_input_embeddings().weight.dtype
