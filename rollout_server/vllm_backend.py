@@ -165,7 +165,6 @@ class VllmBackend:
         self._weights_awake = False  # woken for an adapter load, KV cache still freed
         self._gate = _ScoringGate()
         self._merged = _MergedWeights(self._switch_weights) if merge else None
-        self.last_merge: dict = {}  # the last switch's worker report (weights written, seconds)
 
     @classmethod
     async def create(cls, cfg: TandemConfig, model_path: str) -> VllmBackend:
@@ -272,12 +271,12 @@ class VllmBackend:
         """Write `adapter` (None: the base model) into the engine's weights, then drop the prefix cache: its
         KV was computed by the previous weights. Runs with no request in the engine (_MergedWeights)."""
         reports = await self.engine.collective_rpc("tandem_merge", args=(adapter.path if adapter else None,))
-        self.last_merge = reports[0] if reports else {}
+        report = reports[0] if reports else {}  # the worker's: weights written, seconds
         log.info(
             "weights switched to %s: %d tensors written in %.3f s",
             adapter.name if adapter else "the base model",
-            self.last_merge.get("weights", 0),
-            self.last_merge.get("seconds", 0.0),
+            report.get("weights", 0),
+            report.get("seconds", 0.0),
         )
         for _ in range(50):
             if await self.engine.reset_prefix_cache():
