@@ -3,12 +3,15 @@
     python -m learner.evaluate --config deploy/configs/cpu.toml [--version N] [--limit 100] [--k 4]
 
 Greedy pass@1 (temperature 0) and, with --k > 1, sampled pass@k at the config's temperature, on the
-test split of the config's task (`data.task`), scored by the same verifier as training.
+`data.eval_split` split of the config's task, scored by the reward functions of training (`reward`): a
+completion is correct when its reward is at least 1 (the built-in verifiers give 1 for a right answer),
+and `reward_greedy` is the mean reward of the greedy completions.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import os
@@ -17,10 +20,12 @@ import time
 
 from learner.client import RolloutClient
 from shared.cli import parse_cli
-from shared.config import TandemConfig
-from shared.datasets import DatasetError, load_problems
+from shared.config import ConfigError, TandemConfig
+from shared.datasets import DatasetError, Problem, load_problems
 from shared.protocol import GenerateRequest
-from shared.reward import verify
+from shared.rewards import RewardCall, RewardRunner
+
+CORRECT = 1.0  # a completion whose reward reaches this counts as correct (the verifiers' 1 for right)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -33,40 +38,55 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(
     client: RolloutClient, cfg: TandemConfig, version: int | None, limit: int, k: int = 1, batch: int = 32
 ) -> dict:
-    problems = load_problems(cfg.data, "test")[:limit]
-    greedy, sampled, t0 = [], [], time.perf_counter()
-    for start in range(0, len(problems), batch):
-        chunk = problems[start : start + batch]
-        req = GenerateRequest(prompts=[p.question for p in chunk], version=version, temperature=0.0)
-        res = client.generate(req, timeout=3600)
-        greedy += [verify(row[0].text, p.answer) for row, p in zip(res.outputs, chunk, strict=True)]
-        if k > 1:
-            req = GenerateRequest(
-                prompts=[p.question for p in chunk],
-                version=version,
-                n=k,
-                temperature=cfg.sampling.temperature,
-            )
-            res = client.generate(req, timeout=3600)
-            sampled += [
-                pass_at_k(k, sum(verify(o.text, p.answer) for o in row), k)
-                for row, p in zip(res.outputs, chunk, strict=True)
-            ]
-        done = start + len(chunk)
-        print(
-            f"\r[eval] v{res.version}: {done}/{len(problems)} problems", end="", file=sys.stderr, flush=True
-        )
+    return asyncio.run(_evaluate(client, cfg, version, limit, k, batch))
+
+
+async def _evaluate(
+    client: RolloutClient, cfg: TandemConfig, version: int | None, limit: int, k: int, batch: int
+) -> dict:
+    """One event loop for the run: the reward runner's worker processes live in it; the (blocking)
+    requests to the server go through a thread."""
+    problems = load_problems(cfg.data, cfg.data.eval_split)[:limit]
+    runner = RewardRunner(cfg.reward)
+    greedy, rewards, sampled, t0 = [], [], [], time.perf_counter()
+
+    async def generate(chunk: list[Problem], messages, n: int, temperature: float):
+        req = GenerateRequest(messages=messages, version=version, n=n, temperature=temperature)
+        res = await asyncio.to_thread(client.generate, req, 3600)
+        calls = [_call(o.text, p) for row, p in zip(res.outputs, chunk, strict=True) for o in row]
+        totals = iter([runner.total(r) for r in await runner.score(calls)])
+        return res.version, [[next(totals) for _ in row] for row in res.outputs]  # [problem][sample]
+
+    try:
+        for start in range(0, len(problems), batch):
+            chunk = problems[start : start + batch]
+            messages = [p.conversation() for p in chunk]
+            served, totals = await generate(chunk, messages, 1, 0.0)
+            rewards += [row[0] for row in totals]
+            greedy += [row[0] >= CORRECT for row in totals]
+            if k > 1:
+                _, totals = await generate(chunk, messages, k, cfg.sampling.temperature)
+                sampled += [pass_at_k(k, sum(t >= CORRECT for t in row), k) for row in totals]
+            done = start + len(chunk)
+            print(f"\r[eval] v{served}: {done}/{len(problems)} problems", end="", file=sys.stderr, flush=True)
+    finally:
+        await runner.close()
     print(file=sys.stderr)
     result = {
-        "version": res.version,
+        "version": served,
         "task": cfg.data.task,
         "problems": len(problems),
         "pass@1_greedy": sum(greedy) / len(greedy),
+        "reward_greedy": sum(rewards) / len(rewards),
         "seconds": round(time.perf_counter() - t0, 1),
     }
     if k > 1:
         result[f"pass@{k}_sampled"] = sum(sampled) / len(sampled)
     return result
+
+
+def _call(text: str, p: Problem) -> RewardCall:
+    return RewardCall(text, p.answer, p.prompt_text, dict(p.metadata))
 
 
 def _args(p: argparse.ArgumentParser) -> None:
@@ -84,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         client.wait_ready(60)
         result = evaluate(client, cfg, args.version, args.limit, args.k)
-    except DatasetError as e:
+    except (DatasetError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2))

@@ -232,7 +232,12 @@ def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
     )
     truncated = [c.finish_reason == "length" for g in pulled.groups for c in g.completions]
     tokens = float(lengths.sum())
+    by_function: dict[str, list[float]] = {}
+    for c in (c for g in pulled.groups for c in g.completions):
+        for name, value in c.rewards.items():
+            by_function.setdefault(name, []).append(value)
     return {
+        **{f"reward/{name}/mean": sum(v) / len(v) for name, v in by_function.items()},
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std(correction=0)),
         "accuracy": float((rewards >= 1.0).float().mean()),

@@ -41,7 +41,8 @@ from rollout_server.producer import Producer, StateError, load_cursor
 from rollout_server.queue import LeaseError, LeaseQueue
 from shared import protocol as P
 from shared.config import TandemConfig
-from shared.datasets import Problem, chat_prompt_ids
+from shared.datasets import DatasetError, Problem, chat_prompt_ids, render
+from shared.rewards import RewardRunner
 
 log = logging.getLogger("tandem.server")
 
@@ -68,16 +69,31 @@ class Server:
         self.queue = LeaseQueue(cfg.server.queue_size, cfg.server.lease_s)
         self.metrics = ServerMetrics(self.queue, self.policy)
         self.events = EventLog(state_dir / "events.jsonl")
+        self.rewards = RewardRunner(
+            cfg.reward, on_failure=lambda name, kind: self.metrics.reward_failures.labels(name, kind).inc()
+        )
         self.producer = Producer(
-            cfg, backend, self.queue, self.policy, problems, state_dir, self.events, self.metrics
+            cfg,
+            backend,
+            self.queue,
+            self.policy,
+            problems,
+            state_dir,
+            self.events,
+            self.metrics,
+            self.rewards,
         )
         self.failure: str | None = None  # set when the producer dies: /health turns 503
         self.evaluations: set[asyncio.Task] = set()  # /v1/generate work in flight
         self.shutting_down = False
 
-    def prompt_ids(self, question: str) -> list[int]:
-        """A question as the token ids the model sees: the chat template, as for rollouts."""
-        return chat_prompt_ids(self.backend.tokenizer, question)
+    def prompt_ids(self, prompt: str) -> list[int]:
+        """A prompt as the token ids the model sees: rendered as a training prompt without its row (the
+        system prompt, data.prompt_template, the chat template). 422 if the template needs a column."""
+        try:
+            return chat_prompt_ids(self.backend.tokenizer, render(self.cfg.data, prompt))
+        except DatasetError as e:
+            raise HTTPException(422, f"{e}: send whole conversations in 'messages' instead") from None
 
     @property
     def vocab_size(self) -> int:
@@ -122,6 +138,7 @@ def create_app(
         yield
         task.cancel()
         await server.producer.stop()
+        await server.rewards.close()
         await server.backend.close()
 
     app = FastAPI(title="tandem rollout server", version=P.PROTOCOL_VERSION, lifespan=lifespan)
@@ -292,14 +309,17 @@ def _check_awake(s: Server) -> None:
 async def generate(req: P.GenerateRequest, s: Server = Depends(srv)):
     _check_awake(s)
     cfg = s.cfg
-    if len(req.prompts) * req.n > cfg.server.max_generate_sequences:
+    if req.count * req.n > cfg.server.max_generate_sequences:
         raise HTTPException(
             422,
-            f"{len(req.prompts)} prompts x n={req.n} exceed server.max_generate_sequences="
+            f"{req.count} prompts x n={req.n} exceed server.max_generate_sequences="
             f"{cfg.server.max_generate_sequences}; split the request",
         )
     adapter = s.policy.lookup(req.version)
-    prompts = [s.prompt_ids(q) for q in req.prompts]
+    if req.messages is not None:
+        prompts = [chat_prompt_ids(s.backend.tokenizer, [m.model_dump() for m in c]) for c in req.messages]
+    else:
+        prompts = [s.prompt_ids(q) for q in req.prompts]
     room = cfg.model.max_model_len - max(len(p) for p in prompts)
     if room < 1:
         raise HTTPException(
@@ -381,17 +401,37 @@ async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
 
 def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem]]:
     """What must hold before the engine starts (minutes on a GPU): the vLLM version, the model, the
-    data, a readable cursor. Raises the errors serve() turns into `error: ...` and exit 2."""
+    data, the reward functions, a readable cursor. Raises the errors serve() turns into `error: ...` and
+    exit 2."""
+    from transformers import AutoTokenizer
+
     from rollout_server.vllm_backend import check_vllm_version  # imports no vllm
-    from shared.datasets import load_problems
+    from shared.datasets import drop_long_prompts, load_problems
     from shared.models import resolve_model
+    from shared.rewards import resolve
 
     if cfg.server.backend == "vllm":
         log.info("vLLM %s", check_vllm_version())
+    resolve(cfg.reward)
     model_path = resolve_model(cfg.model.name)
     problems = load_problems(cfg.data)
+    problems, dropped = drop_long_prompts(
+        problems, AutoTokenizer.from_pretrained(model_path), cfg.model.max_model_len
+    )
+    if dropped:
+        log.warning(
+            "skipped %d of %d %s problems whose prompt alone leaves no room within model.max_model_len=%d "
+            "(ids: %s%s)",
+            len(dropped), len(problems) + len(dropped), cfg.data.task, cfg.model.max_model_len,
+            ", ".join(dropped[:5]), ", ..." if len(dropped) > 5 else "",
+        )  # fmt: skip
+    if not problems:
+        raise DatasetError(
+            f"no {cfg.data.task} problem fits within model.max_model_len={cfg.model.max_model_len}"
+        )
     load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))
-    log.info("%d %s problems (%s split)", len(problems), cfg.data.task, cfg.data.split)
+    log.info("%d %s problems (%s split); rewards: %s", len(problems), cfg.data.task, cfg.data.split,
+             ", ".join(cfg.reward.functions))  # fmt: skip
     return model_path, problems
 
 
@@ -400,13 +440,13 @@ def serve(cfg: TandemConfig) -> int:
     import uvicorn
 
     from rollout_server.vllm_backend import VllmVersionError
-    from shared.datasets import DatasetError
+    from shared.config import ConfigError
     from shared.models import ModelError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         model_path, problems = _prepare(cfg)
-    except (ModelError, DatasetError, StateError, VllmVersionError) as e:
+    except (ModelError, DatasetError, StateError, VllmVersionError, ConfigError) as e:
         print(f"error: {e}", flush=True)
         return 2
 

@@ -22,6 +22,16 @@ class ServerMetrics:
         self.completions = Counter("tandem_completions", "completions generated", registry=r)
         self.tokens = Counter("tandem_completion_tokens", "completion tokens generated", registry=r)
         self.reward = Counter("tandem_reward_sum", "sum of completion rewards", registry=r)
+        self.function_reward = Gauge(  # a gauge: a reward may be negative, and a counter cannot go down
+            "tandem_reward_function_sum", "sum of each reward function's values", ["function"], registry=r
+        )
+        self.reward_failures = Counter(
+            "tandem_reward_failures",
+            "reward function calls that gave 0 by failing, by function and kind: raised, timeout (killed "
+            "past reward.timeout_s), non_finite, bad_type (not a number), crashed (its process died)",
+            ["function", "kind"],
+            registry=r,
+        )
         self.prompts_too_long = Counter(
             "tandem_prompts_too_long", "prompts skipped: no room within max_model_len", registry=r
         )
@@ -67,6 +77,9 @@ class ServerMetrics:
         self.completions.inc(sum(len(g.completions) for g in groups))
         self.tokens.inc(tokens)
         self.reward.inc(sum(sum(g.rewards) for g in groups))
+        for c in (c for g in groups for c in g.completions):
+            for name, value in c.rewards.items():
+                self.function_reward.labels(name).inc(value)
         self.generate_s.observe(elapsed_s)
         if elapsed_s > 0:
             self.tok_s.set(tokens / elapsed_s)

@@ -1,4 +1,4 @@
-"""The producer: prompts in a deterministic order -> G samples each -> verifier rewards -> ScoredGroups
+"""The producer: prompts in a deterministic order -> G samples each -> the reward functions -> ScoredGroups
 stamped with the policy version that produced them -> the lease queue.
 
 Production pauses while the queue is full and while asleep. A sleep cancels the batch in flight; its
@@ -24,7 +24,7 @@ from rollout_server.queue import LeaseQueue
 from shared.config import TandemConfig
 from shared.datasets import Problem, chat_prompt_ids, epoch_order
 from shared.protocol import Completion, ScoredGroup
-from shared.reward import verify
+from shared.rewards import RewardCall, RewardRunner
 
 log = logging.getLogger("tandem.server")
 
@@ -75,8 +75,10 @@ class Producer:
         state_dir: Path,
         events: EventLog,
         metrics,
+        rewards: RewardRunner,
     ):
         self.cfg = cfg
+        self.rewards = rewards
         self.backend = backend
         self.queue = queue
         self.policy = policy
@@ -174,7 +176,7 @@ class Producer:
         version = adapter.version if adapter else 0
         s = self.cfg.sampling
         limit = self.cfg.model.max_model_len
-        prompts = [chat_prompt_ids(self.backend.tokenizer, p.question) for _, p in batch]
+        prompts = [chat_prompt_ids(self.backend.tokenizer, p.conversation()) for _, p in batch]
         kept = [(b, ids) for b, ids in zip(batch, prompts, strict=True) if len(ids) < limit - 1]
         self.metrics.prompts_too_long.inc(len(batch) - len(kept))
         if not kept:
@@ -189,35 +191,44 @@ class Producer:
             adapter=adapter,
         )
         elapsed = time.perf_counter() - t0
-        groups = []
-        for ((epoch, problem), prompt_ids), group in zip(kept, samples, strict=True):
-            scored = _score(group, problem, epoch, prompt_ids, version)
-            if scored is None:
-                self.metrics.groups_invalid.inc()
-            else:
-                groups.append(scored)
+        # (epoch, problem, prompt ids, samples) of each group whose samples are all usable
+        usable = [(*b, ids, group) for (b, ids), group in zip(kept, samples, strict=True) if _usable(group)]
+        self.metrics.groups_invalid.inc(len(kept) - len(usable))
+        calls = [
+            RewardCall(smp.text, problem.answer, problem.prompt_text, dict(problem.metadata))
+            for _, problem, _, group in usable
+            for smp in group
+        ]
+        rewards = iter(await self.rewards.score(calls))
+        groups = [
+            _group(epoch, problem, ids, group, version, [next(rewards) for _ in group], self.rewards)
+            for epoch, problem, ids, group in usable
+        ]
         self.metrics.observe_batch(groups, elapsed)
         return groups
 
 
-def _score(samples, problem: Problem, epoch: int, prompt_ids: list[int], version: int) -> ScoredGroup | None:
-    """One group from G samples, rewarded by the verifier; None if a sample is unusable (no tokens, or
-    a non-finite logprob), since a group with fewer than G completions would bias its baseline."""
-    completions = []
-    for smp in samples:
-        logprobs = [min(lp, 0.0) for lp in smp.logprobs]  # float noise can give +1e-7
-        if not smp.token_ids or not all(math.isfinite(lp) for lp in logprobs):
-            return None
-        reward = verify(smp.text, problem.answer)
-        completions.append(
-            Completion(
-                token_ids=smp.token_ids,
-                logprobs=logprobs,
-                text=smp.text,
-                reward=reward,
-                finish_reason=smp.finish_reason,
-            )
+def _usable(samples) -> bool:
+    """A group is kept only if every sample has tokens and finite logprobs: a group with fewer than G
+    completions would bias its baseline."""
+    return all(smp.token_ids and all(math.isfinite(lp) for lp in smp.logprobs) for smp in samples)
+
+
+def _group(
+    epoch: int, problem: Problem, prompt_ids: list[int], samples, version: int, rewards, runner: RewardRunner
+) -> ScoredGroup:
+    """One group from G samples and each sample's {function: reward}; the reward is their weighted sum."""
+    completions = [
+        Completion(
+            token_ids=smp.token_ids,
+            logprobs=[min(lp, 0.0) for lp in smp.logprobs],  # float noise can give +1e-7
+            text=smp.text,
+            reward=runner.total(r),
+            rewards=r,
+            finish_reason=smp.finish_reason,
         )
+        for smp, r in zip(samples, rewards, strict=True)
+    ]
     return ScoredGroup(
         group_id=f"{problem.id}-e{epoch}-{uuid.uuid4().hex[:12]}",
         prompt_id=problem.id,

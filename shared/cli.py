@@ -57,7 +57,10 @@ def parse_cli(
     )
     parser.add_argument("--config", metavar="TOML", help="config file (see deploy/configs/)")
     parser.add_argument(
-        "--check-config", action="store_true", help="validate the config, print it resolved as JSON, exit"
+        "--check-config",
+        action="store_true",
+        help="validate the config (and import the reward functions, read a custom dataset's columns), "
+        "print it resolved as JSON, exit",
     )
     add_arguments(parser)
     try:
@@ -68,6 +71,26 @@ def parse_cli(
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.check_config:
+        try:
+            check_task(cfg)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         print(cfg.dump())
         raise SystemExit(0)
     return args, cfg
+
+
+def check_task(cfg: TandemConfig) -> None:
+    """What --check-config can check beyond the config's own fields without loading a model: that every
+    reward function imports and takes the documented arguments, and that a custom dataset reads and has
+    the mapped columns. Raises ConfigError."""
+    from shared.datasets import DatasetError, load_problems
+    from shared.rewards import resolve
+
+    resolve(cfg.reward)
+    if cfg.data.task == "custom":
+        try:
+            load_problems(cfg.data)
+        except DatasetError as e:
+            raise ConfigError(str(e)) from None

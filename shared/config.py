@@ -8,9 +8,11 @@ and `sampling`; the server reads `data` and `server`, the learner `lora`, `grpo`
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 from pathlib import Path
+from string import Formatter
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -51,16 +53,95 @@ class SamplingConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["gsm8k", "arith"] = "gsm8k"
+    task: Literal["gsm8k", "arith", "custom"] = Field(
+        default="gsm8k",
+        description="'gsm8k', 'arith' (generated word problems), or 'custom': your own dataset, read from "
+        "data.path or the hub (data.hub_id) with the column mapping below",
+    )
     path: str | None = Field(
         default=None,
-        description="local folder holding {train,test}.jsonl; None = load 'hub_id' from the hub",
+        description="gsm8k: a folder holding {train,test}.jsonl. custom: a .jsonl/.json/.csv/.parquet file "
+        "(it is the data.split split) or a folder holding <split>.<ext> files. None = load data.hub_id",
     )
-    hub_id: str = "openai/gsm8k"
+    hub_id: str = Field(default="openai/gsm8k", description="the hub dataset read when data.path is None")
+    hub_config: str | None = Field(default=None, description="the hub dataset's config; gsm8k: 'main'")
     split: str = "train"
+    eval_split: str = Field(default="test", description="the split learner.evaluate scores")
     seed: int = 0
     arith_difficulty: int = Field(default=2, ge=1, le=6, description="'arith' task: operands/size knob")
     arith_size: int = Field(default=5000, ge=10, description="'arith' task: problems in the train split")
+    prompt_column: str = Field(default="prompt", description="custom: the column holding the prompt text")
+    messages_column: str | None = Field(
+        default=None,
+        description="custom: a column holding a chat [{role, content}, ...] list to use instead of "
+        "prompt_column (data.prompt_template is then not applied)",
+    )
+    answer_column: str | None = Field(
+        default="answer", description="custom: the reference answer handed to the reward; None = no answer"
+    )
+    id_column: str | None = Field(
+        default=None,
+        description="custom: a column of unique ids; None = '<file or dataset>-<split>-<row index>'. Ids "
+        "must stay stable: resume and the server's cursor rely on them",
+    )
+    system_prompt: str | None = Field(default=None, description="a system message put before each prompt")
+    prompt_template: str | None = Field(
+        default=None,
+        description="the user message, a Python format string over {prompt} and the row's columns, e.g. "
+        "'{prompt}\\n\\nAnswer after ####.' (write {{ }} for literal braces). None: gsm8k/arith add their "
+        "instruction to end with '#### <answer>'; custom uses the prompt as it is",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.prompt_template is not None:
+            try:
+                fields = [f for _, f, _, _ in Formatter().parse(self.prompt_template) if f is not None]
+            except ValueError as e:
+                msg = f"data.prompt_template: {e} (write {{{{ and }}}} for literal braces)"
+                raise ValueError(msg) from None
+            if any(not f or not f.isidentifier() for f in fields):
+                raise ValueError("data.prompt_template: every {field} must name a column, e.g. {prompt}")
+        return self
+
+
+class RewardConfig(_Section):
+    functions: list[str] = Field(
+        default=["gsm8k"],
+        min_length=1,
+        description="reward functions: built-in names ('gsm8k': the GSM8K verifier; 'math': math-verify for "
+        "LaTeX/\\boxed{} answers; 'r1_format': <think>...</think> then an answer) or 'module:function' / "
+        "'path/to/file.py:function' for your own, called as f(completion, answer, prompt, metadata) -> float "
+        "(plain or async)",
+    )
+    weights: list[float] | None = Field(
+        default=None, description="one weight per function; the reward is the weighted sum. None = all 1"
+    )
+    timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="per call: a function still running is killed and gives 0 (counted in /metrics)",
+    )
+    workers: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="processes that run the functions other than the linear-time built-ins (gsm8k, "
+        "r1_format), so a hanging or crashing one can be killed without touching the server",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        if self.weights is not None:
+            if len(self.weights) != len(self.functions):
+                raise ValueError(
+                    f"reward.weights has {len(self.weights)} values for {len(self.functions)} "
+                    "reward.functions; give one weight per function"
+                )
+            if not all(math.isfinite(w) for w in self.weights):
+                raise ValueError("reward.weights must be finite numbers")
+        return self
 
 
 class VllmConfig(_Section):
@@ -236,6 +317,7 @@ class TandemConfig(_Section):
     model: ModelConfig = ModelConfig()
     sampling: SamplingConfig = SamplingConfig()
     data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
     server: ServerConfig = ServerConfig()
     lora: LoraConfig = LoraConfig()
     grpo: GRPOConfig = GRPOConfig()
@@ -333,7 +415,7 @@ def _format_error(err: ValidationError) -> str:
             msg = "unknown key"
         elif "input" in e and not isinstance(e["input"], dict | list):
             msg = f"{msg} (got {e['input']!r})"
-        parts.append(f"{loc}: {msg}")
+        parts.append(msg if msg.startswith(f"{loc}.") else f"{loc}: {msg}")  # the message names the field
     return "; ".join(parts)
 
 

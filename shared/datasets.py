@@ -1,17 +1,22 @@
-"""Prompt sources: GSM8K (a local JSONL folder or the hub) and `arith`, a generated task of integer
-word problems whose difficulty can be tuned to the model's edge of competence.
+"""Prompt sources: GSM8K (a local JSONL folder or the hub), `arith` (a generated task of integer word
+problems whose difficulty can be tuned to the model's edge of competence), and `custom`: the user's own
+dataset, a local JSONL/JSON/CSV/Parquet file or folder or a hub dataset, read through a column mapping.
 
-A dataset is a list of `Problem`s; `epoch_order` gives the deterministic order of an epoch, and
-`chat_prompt` renders a problem through the model's chat template (duck-typed tokenizer: this module
-imports neither torch nor transformers; `datasets` is imported only to read the hub).
+A dataset is a list of `Problem`s; `epoch_order` gives the deterministic order of an epoch; each problem
+carries the conversation the model sees (`data.system_prompt`, `data.prompt_template`), which
+`chat_prompt_ids` renders through the model's chat template (duck-typed tokenizer: this module imports
+neither torch nor transformers; `datasets` is imported only to read files other than GSM8K's and the hub).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from shared.config import DataConfig
 from shared.reward import extract_answer
@@ -20,20 +25,38 @@ INSTRUCTION = (
     "Solve the problem step by step. End your reply with a final line of the form '#### <answer>', "
     "where <answer> is just the number."
 )
+MATH_TEMPLATE = "{prompt}\n\n" + INSTRUCTION  # gsm8k and arith, unless data.prompt_template says otherwise
+# File types a custom dataset may come in, and the `datasets` builder that reads each.
+FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 @dataclass(frozen=True)
 class Problem:
-    id: str  # stable across runs: "<task>-<split>-<index>"
-    question: str
-    answer: str  # normalised final answer, e.g. "1000"
+    id: str  # stable across runs: "<task>-<split>-<index>", or the dataset's id column
+    question: str  # the prompt as the dataset has it
+    answer: str  # the reference answer: gsm8k/arith normalise it ("1000"), custom passes the column as text
+    # The conversation the model sees; None: the question with the math instruction (MATH_TEMPLATE).
+    messages: tuple[dict[str, str], ...] | None = field(default=None, hash=False)
+    # The row's other columns, handed to reward functions (JSON values).
+    metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def conversation(self) -> list[dict[str, str]]:
+        if self.messages is None:
+            return chat_messages(self.question)
+        return [dict(m) for m in self.messages]
+
+    @property
+    def prompt_text(self) -> str:
+        """The last user message as the model sees it: what reward functions get as `prompt`."""
+        users = [m["content"] for m in self.conversation() if m["role"] == "user"]
+        return users[-1] if users else ""
 
 
 class DatasetError(RuntimeError):
     pass
 
 
-def _gsm8k_rows(split: str, path: str | None, hub_id: str) -> list[dict]:
+def _gsm8k_rows(split: str, path: str | None, hub_id: str, hub_config: str) -> list[dict]:
     if path is not None:
         file = Path(path) / f"{split}.jsonl"
         if not file.is_file():
@@ -56,18 +79,20 @@ def _gsm8k_rows(split: str, path: str | None, hub_id: str) -> list[dict]:
     except ImportError:
         raise DatasetError("loading GSM8K from the hub needs `pip install datasets`") from None
     try:
-        ds = hf_datasets.load_dataset(hub_id, "main", split=split)
+        ds = hf_datasets.load_dataset(hub_id, hub_config, split=split)
     except Exception as e:  # network, auth, unknown split: say which dataset and how to avoid the hub
         raise DatasetError(
-            f"could not load {hub_id} (config 'main', split '{split}') from the hub: {e}. "
+            f"could not load {hub_id} (config '{hub_config}', split '{split}') from the hub: {e}. "
             "Offline? Set data.path to a folder with {train,test}.jsonl."
         ) from e
     return [{"question": r["question"], "answer": r["answer"]} for r in ds]
 
 
-def load_gsm8k(split: str = "train", path: str | None = None, hub_id: str = "openai/gsm8k") -> list[Problem]:
+def load_gsm8k(
+    split: str = "train", path: str | None = None, hub_id: str = "openai/gsm8k", hub_config: str = "main"
+) -> list[Problem]:
     problems = []
-    for i, row in enumerate(_gsm8k_rows(split, path, hub_id)):
+    for i, row in enumerate(_gsm8k_rows(split, path, hub_id, hub_config)):
         answer = extract_answer(row["answer"])
         if answer is None:
             raise DatasetError(f"GSM8K {split}[{i}]: no final answer in the reference solution")
@@ -123,11 +148,32 @@ def make_arith(split: str, size: int, difficulty: int, seed: int = 0) -> list[Pr
     return problems
 
 
+def render(cfg: DataConfig, prompt: str, row: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
+    """The conversation for one prompt: the system prompt, then the user message made from
+    `data.prompt_template` with {prompt} and the row's columns."""
+    template = cfg.prompt_template
+    if template is None:
+        template = "{prompt}" if cfg.task == "custom" else MATH_TEMPLATE
+    try:
+        text = template.format_map({**(row or {}), "prompt": prompt})
+    except KeyError as e:
+        have = ", ".join(sorted({*(row or {}), "prompt"}))
+        raise DatasetError(f"data.prompt_template: no column {e} (columns: {have})") from None
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    return [*system, {"role": "user", "content": text}]
+
+
 def load_problems(cfg: DataConfig, split: str | None = None) -> list[Problem]:
     split = split or cfg.split
+    if cfg.task == "custom":
+        return load_custom(cfg, split)
     if cfg.task == "gsm8k":
-        return load_gsm8k(split, cfg.path, cfg.hub_id)
-    return make_arith(split, cfg.arith_size, cfg.arith_difficulty, cfg.seed)
+        problems = load_gsm8k(split, cfg.path, cfg.hub_id, cfg.hub_config or "main")
+    else:
+        problems = make_arith(split, cfg.arith_size, cfg.arith_difficulty, cfg.seed)
+    if cfg.prompt_template is None and cfg.system_prompt is None:
+        return problems  # the default conversation (Problem.conversation)
+    return [dataclasses.replace(p, messages=tuple(render(cfg, p.question))) for p in problems]
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -138,12 +184,136 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def chat_messages(question: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"{question}\n\n{INSTRUCTION}"}]
+    return [{"role": "user", "content": MATH_TEMPLATE.format(prompt=question)}]
 
 
-def chat_prompt_ids(tokenizer, question: str) -> list[int]:
-    """Token ids of the chat-templated prompt, ending with the assistant turn's header."""
-    ids = tokenizer.apply_chat_template(chat_messages(question), add_generation_prompt=True, tokenize=True)
+def chat_prompt_ids(tokenizer, messages: str | list[dict[str, str]]) -> list[int]:
+    """Token ids of the chat-templated conversation (a bare question gets the math instruction), ending
+    with the assistant turn's header."""
+    if isinstance(messages, str):
+        messages = chat_messages(messages)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
+
+
+def drop_long_prompts(
+    problems: list[Problem], tokenizer, max_model_len: int
+) -> tuple[list[Problem], list[str]]:
+    """The problems whose prompt leaves room for at least one completion token within max_model_len,
+    and the ids of the others (the producer would skip them at every pass)."""
+    kept, dropped = [], []
+    for p in problems:
+        fits = len(chat_prompt_ids(tokenizer, p.conversation())) < max_model_len - 1
+        (kept if fits else dropped).append(p if fits else p.id)
+    return kept, dropped
+
+
+# -- custom datasets ---------------------------------------------------------------------------------
+def _dataset_file(cfg: DataConfig, split: str) -> Path:
+    path = Path(cfg.path)
+    if path.is_dir():
+        for ext in FORMATS:
+            if (path / f"{split}{ext}").is_file():
+                return path / f"{split}{ext}"
+        found = ", ".join(sorted(f.name for f in path.iterdir())[:10]) or "nothing"
+        raise DatasetError(
+            f"data.path: no {split}.jsonl (or .json, .csv, .parquet) for split '{split}' in {path} "
+            f"(found: {found})"
+        )
+    if not path.is_file():
+        raise DatasetError(f"data.path: {path} does not exist")
+    if path.suffix not in FORMATS:
+        raise DatasetError(f"data.path: {path}: not one of {', '.join(FORMATS)}")
+    if split != cfg.split:
+        raise DatasetError(
+            f"data.path is one file, read as the '{cfg.split}' split (data.split); split '{split}' needs a "
+            f"folder holding {cfg.split}{path.suffix} and {split}{path.suffix}"
+        )
+    return path
+
+
+def _read_table(cfg: DataConfig, split: str) -> tuple[list[dict[str, Any]], list[str], str]:
+    """(rows, column names, a name for ids) of one split of a custom dataset."""
+    try:
+        import datasets as hf_datasets
+    except ImportError:
+        raise DatasetError("a custom dataset needs `pip install datasets`") from None
+    if cfg.path is not None:
+        file = _dataset_file(cfg, split)
+        hf_datasets.disable_progress_bars()
+        try:
+            ds = hf_datasets.load_dataset(FORMATS[file.suffix], data_files=str(file), split="train")
+        except Exception as e:  # malformed JSON/CSV/Parquet: name the file and keep datasets' reason
+            raise DatasetError(f"data.path: could not read {file}: {type(e).__name__}: {e}") from None
+        name = file.stem if Path(cfg.path).is_file() else Path(cfg.path).name
+    else:
+        try:
+            ds = hf_datasets.load_dataset(cfg.hub_id, cfg.hub_config, split=split)
+        except Exception as e:
+            raise DatasetError(
+                f"could not load {cfg.hub_id} (config {cfg.hub_config!r}, split '{split}') from the hub: "
+                f"{e}. Offline? Set data.path to a local file or folder."
+            ) from e
+        name = cfg.hub_id.rsplit("/", 1)[-1]
+    return ds.to_list(), list(ds.column_names), name
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def _chat(value: Any, where: str) -> list[dict[str, str]]:
+    ok = (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value
+        )
+    )
+    if not ok:
+        raise DatasetError(f"{where}: data.messages_column must hold a non-empty list of {{role, content}}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def load_custom(cfg: DataConfig, split: str) -> list[Problem]:
+    """One split of the user's dataset through the column mapping of `data`; errors name the field."""
+    rows, columns, name = _read_table(cfg, split)
+    source = cfg.path or cfg.hub_id
+    wanted = {
+        "data.messages_column" if cfg.messages_column else "data.prompt_column": cfg.messages_column
+        or cfg.prompt_column,
+        "data.answer_column": cfg.answer_column,
+        "data.id_column": cfg.id_column,
+    }
+    for key, col in wanted.items():
+        if col is not None and col not in columns:
+            raise DatasetError(f"{key}: no column '{col}' in {source} (columns: {', '.join(columns)})")
+    if not rows:
+        raise DatasetError(f"{source}: split '{split}' has no rows")
+    used = {cfg.messages_column or cfg.prompt_column, cfg.answer_column}
+    problems, seen = [], set()
+    for i, row in enumerate(rows):
+        where = f"{source}, split '{split}', row {i}"
+        if cfg.messages_column:
+            messages = _chat(row[cfg.messages_column], where)
+            if cfg.system_prompt and messages[0]["role"] != "system":
+                messages.insert(0, {"role": "system", "content": cfg.system_prompt})
+            question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        else:
+            question = row[cfg.prompt_column]
+            if not isinstance(question, str) or not question.strip():
+                raise DatasetError(f"{where}: data.prompt_column '{cfg.prompt_column}' is empty or not text")
+            messages = render(cfg, question, row)
+        answer = row[cfg.answer_column] if cfg.answer_column else None
+        pid = str(row[cfg.id_column]) if cfg.id_column else f"{name}-{split}-{i}"
+        if pid in seen or not pid:
+            raise DatasetError(f"{where}: data.id_column: id {pid!r} is empty or not unique")
+        seen.add(pid)
+        metadata = {k: _jsonable(v) for k, v in row.items() if k not in used}
+        problems.append(
+            Problem(pid, question, "" if answer is None else str(answer), tuple(messages), metadata)
+        )
+    return problems

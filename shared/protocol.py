@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = "1"
+PROTOCOL_VERSION = "2"
 
 MAX_VERSION = 2**31 - 1  # versions are engine adapter ids (int32 in vLLM) and file names
 Version = Annotated[
@@ -51,13 +51,14 @@ class _Model(BaseModel):
 
 
 class Completion(_Model):
-    """One sampled completion of a prompt, scored by the verifier."""
+    """One sampled completion of a prompt, scored by the reward functions."""
 
     token_ids: list[TokenId] = Field(min_length=1)
     # Sampler logprob of each sampled token: log π_sampler(token_ids[t] | prefix). One per token id.
     logprobs: list[float]
     text: str
-    reward: float
+    reward: float  # what the learner trains on: the weighted sum of `rewards`
+    rewards: dict[str, float] = Field(default={}, description="each reward function's own value, by name")
     finish_reason: Literal["stop", "length"]
 
     @model_validator(mode="after")
@@ -72,6 +73,9 @@ class Completion(_Model):
                 raise ValueError(f"logprobs[{t}] = {lp}: a logprob must be finite and <= 0")
         if not math.isfinite(self.reward):
             raise ValueError(f"reward {self.reward} is not finite")
+        bad = [name for name, r in self.rewards.items() if not math.isfinite(r)]
+        if bad:
+            raise ValueError(f"rewards of {bad} are not finite")
         return self
 
 
@@ -144,14 +148,36 @@ class AdapterPublished(_Model):
     name: str
 
 
-class GenerateRequest(_Model):
-    """Plain sampling for evaluation. Prompts are user messages; the server applies the chat template."""
+class ChatMessage(_Model):
+    role: str = Field(min_length=1, max_length=64)
+    content: str = Field(max_length=100_000)
 
-    prompts: list[Annotated[str, Field(max_length=100_000)]] = Field(min_length=1, max_length=1024)
+
+class GenerateRequest(_Model):
+    """Plain sampling for evaluation: either `prompts`, rendered as training prompts are without a row
+    (the config's system prompt and prompt template with the string as {prompt}, then the chat template),
+    or whole conversations in `messages`, put through the chat template as they are."""
+
+    prompts: list[Annotated[str, Field(max_length=100_000)]] | None = Field(
+        default=None, min_length=1, max_length=1024
+    )
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1, max_length=256)]] | None = Field(
+        default=None, min_length=1, max_length=1024
+    )
     version: Version | None = Field(default=None, description="adapter version; None = the one served")
     n: int = Field(default=1, ge=1, le=64)
     temperature: float = Field(default=0.0, ge=0.0, le=5.0, description="0 = greedy")
     max_tokens: int | None = Field(default=None, ge=1, le=32768)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> GenerateRequest:
+        if (self.prompts is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompts' and 'messages'")
+        return self
+
+    @property
+    def count(self) -> int:
+        return len(self.prompts if self.prompts is not None else self.messages)
 
 
 class GeneratedText(_Model):

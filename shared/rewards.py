@@ -1,0 +1,318 @@
+"""Reward functions: the signature, the built-ins, loading the user's own by import path, and running them
+so that none can stop the server.
+
+A reward function is called as `f(completion, answer, prompt, metadata) -> float` (plain or `async`):
+the completion's text, the row's reference answer (text; "" without `data.answer_column`), the prompt's
+last user message as the model saw it, and the row's other columns (a dict of JSON values). Configured as
+
+    [reward]
+    functions = ["gsm8k", "my_rewards:format_bonus"]   # a built-in name, "module:function", or
+    weights = [1.0, 0.2]                                # "path/to/file.py:function"
+
+The reward of a completion is the weighted sum; each function's own value travels with the group
+(`Completion.rewards`) and the learner logs `reward/<name>/mean`.
+
+Where they run: the linear-time built-ins (`gsm8k`, `r1_format`) in a thread of the server; everything
+else (`math` and all user code) in `reward.workers` child processes (`python -m shared.reward_worker`),
+one call at a time each. A call that runs past `reward.timeout_s` has its process killed and replaced, so
+a function that hangs, spins or crashes its interpreter costs that call and never the server; `math`
+also uses math-verify's own signal-based time limits, which work there because each call runs on the
+worker's main thread. A call that raises, times out, returns a non-number or a non-finite number gives
+0 for that function, is counted (`on_failure`, the server's `/metrics`) and logged once per function and
+kind, with the traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
+import logging
+import math
+import numbers
+import sys
+import threading
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from shared.config import ConfigError, RewardConfig
+from shared.reward import verify
+
+log = logging.getLogger("tandem.reward")
+
+FAILURE_KINDS = ("raised", "timeout", "non_finite", "bad_type", "crashed")
+
+
+# -- the built-ins -----------------------------------------------------------------------------------
+def gsm8k(completion: str, answer: str, prompt: str = "", metadata: dict | None = None) -> float:
+    """1 if the completion's final number equals the reference's (shared/reward.py), else 0."""
+    return verify(completion, answer)
+
+
+def math_answer(completion: str, answer: str, prompt: str = "", metadata: dict | None = None) -> float:
+    """1 if math-verify finds the completion's answer (LaTeX, `\\boxed{}`, or a plain expression)
+    mathematically equal to the reference (`\\frac{1}{2}` = `0.5` = `\\boxed{\\frac{2}{4}}`), else 0.
+    math-verify's own time limits use SIGALRM, so they work only on a main thread (the reward workers'):
+    elsewhere they are off and the caller's limit is the only one."""
+    from math_verify import parse
+    from math_verify import verify as math_verify
+
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    try:
+        gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$", parsing_timeout=limit)
+        pred = parse(completion, parsing_timeout=limit)
+        return 1.0 if gold and pred and math_verify(gold, pred, timeout_seconds=limit) else 0.0
+    except Exception:  # pathological input (deep nesting, sympy's own errors): no answer, no reward
+        return 0.0
+
+
+def r1_format(completion: str, answer: str = "", prompt: str = "", metadata: dict | None = None) -> float:
+    """1 for the R1 shape: reasoning closed by one `</think>` (the opening `<think>` may be in the prompt,
+    as R1-Distill's chat template puts it there), then a non-empty answer; else 0. Linear time."""
+    text = completion.lstrip()
+    if text.startswith("<think>"):
+        text = text[len("<think>") :]
+    if "<think>" in text or text.count("</think>") != 1:
+        return 0.0
+    reasoning, _, after = text.partition("</think>")
+    return 1.0 if reasoning.strip() and after.strip() else 0.0
+
+
+# name -> (function, runs in the server's thread: trusted and linear-time)
+BUILTINS: dict[str, tuple[Callable[..., float], bool]] = {
+    "gsm8k": (gsm8k, True),
+    "math": (math_answer, False),
+    "r1_format": (r1_format, True),
+}
+
+
+# -- loading -----------------------------------------------------------------------------------------
+def load_function(spec: str) -> Callable[..., Any]:
+    """The function a spec names: a built-in name, 'module:function' or 'path/to/file.py:function'.
+    Raises ValueError with the reason."""
+    if spec in BUILTINS:
+        return BUILTINS[spec][0]
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"'{spec}' is neither a built-in ({', '.join(BUILTINS)}) nor 'module:function' or "
+            "'file.py:function'"
+        )
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ValueError(f"'{spec}': file {path} does not exist")
+            mod_spec = importlib.util.spec_from_file_location(f"tandem_reward_{path.stem}", path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ValueError:
+        raise
+    except ModuleNotFoundError as e:
+        raise ValueError(
+            f"'{spec}': cannot import {module_name!r} ({e}); put its folder on PYTHONPATH, or name the file: "
+            "'path/to/module.py:function'"
+        ) from None
+    except BaseException as e:  # the module's own code failed on import
+        raise ValueError(f"'{spec}': importing {module_name} raised {type(e).__name__}: {e}") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"'{spec}': {module_name} has no function {attr!r}")
+    try:
+        inspect.signature(fn).bind("", "", "", {})
+    except TypeError:
+        raise ValueError(f"'{spec}': must accept (completion, answer, prompt, metadata)") from None
+    except ValueError:  # no signature to inspect (a builtin): trust it
+        pass
+    return fn
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    name: str  # in metrics and logs: the built-in's name, else the function's
+    spec: str
+    weight: float
+    inline: bool
+    fn: Callable[..., Any]
+
+
+def resolve(cfg: RewardConfig) -> list[RewardFunction]:
+    """The configured functions, imported and checked; a ConfigError names the entry at fault."""
+    weights = cfg.weights or [1.0] * len(cfg.functions)
+    out: list[RewardFunction] = []
+    for i, (spec, weight) in enumerate(zip(cfg.functions, weights, strict=True)):
+        try:
+            fn = load_function(spec)
+        except ValueError as e:
+            raise ConfigError(f"reward.functions[{i}]: {e}") from None
+        name = spec if spec in BUILTINS else spec.rpartition(":")[2]
+        if any(f.name == name for f in out):
+            raise ConfigError(f"reward.functions[{i}]: a second function named '{name}' (names must differ)")
+        out.append(RewardFunction(name, spec, weight, spec in BUILTINS and BUILTINS[spec][1], fn))
+    return out
+
+
+# -- running -----------------------------------------------------------------------------------------
+class RewardCall(NamedTuple):
+    completion: str
+    answer: str
+    prompt: str
+    metadata: dict[str, Any]
+
+
+def checked(value: Any) -> tuple[float, str | None]:
+    """(the reward, None) or (0.0, the failure kind) for what a function returned."""
+    if isinstance(value, numbers.Real):  # bool, int, float, numpy scalars
+        value = float(value)
+        return (value, None) if math.isfinite(value) else (0.0, "non_finite")
+    return 0.0, "bad_type"
+
+
+def call_function(fn: Callable[..., Any], call: RewardCall | list) -> Any:
+    """One call, awaited when the function is async (on this thread's own event loop)."""
+    result = fn(*call)
+    if inspect.isawaitable(result):
+
+        async def wait():
+            return await result
+
+        result = asyncio.run(wait())
+    return result
+
+
+class _Worker:
+    """A child process running `shared.reward_worker` over JSON lines on its stdin/stdout."""
+
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+        self._next = 0
+
+    @classmethod
+    async def start(cls, specs: list[str]) -> _Worker:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "shared.reward_worker", json.dumps(specs),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=2**26,
+        )  # fmt: skip
+        worker = cls(proc)
+        line = await asyncio.wait_for(proc.stdout.readline(), 300)
+        hello = json.loads(line) if line else {"fatal": "the reward worker exited at start"}
+        if "fatal" in hello:
+            await worker.kill()
+            raise RuntimeError(f"reward worker could not load the functions: {hello['fatal']}")
+        return worker
+
+    async def call(self, index: int, call: RewardCall) -> dict[str, Any]:
+        self._next += 1
+        msg = json.dumps({"id": self._next, "fn": index, "args": list(call)}, default=str)
+        self.proc.stdin.write(msg.encode() + b"\n")
+        await self.proc.stdin.drain()
+        line = await self.proc.stdout.readline()
+        if not line:
+            raise EOFError("the reward worker exited")
+        reply = json.loads(line)
+        assert reply["id"] == self._next, "reward worker answered out of turn"
+        return reply
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()
+
+
+class RewardRunner:
+    """Scores completions with the configured functions. `on_failure(name, kind)` is told of each call
+    that gave 0 by failing (FAILURE_KINDS)."""
+
+    def __init__(self, cfg: RewardConfig, on_failure: Callable[[str, str], None] = lambda name, kind: None):
+        self.functions = resolve(cfg)
+        self.timeout_s = cfg.timeout_s
+        self.on_failure = on_failure
+        self.failures: Counter[tuple[str, str]] = Counter()
+        self._remote = [f for f in self.functions if not f.inline]
+        self._size = cfg.workers
+        self._idle: asyncio.Queue[_Worker | None] | None = None  # None in it: a worker to start on use
+        self._logged: set[tuple[str, str]] = set()
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.functions]
+
+    def total(self, rewards: dict[str, float]) -> float:
+        return sum(f.weight * rewards[f.name] for f in self.functions)
+
+    def _failed(self, name: str, kind: str, detail: str) -> float:
+        self.failures[name, kind] += 1
+        self.on_failure(name, kind)
+        if (name, kind) not in self._logged:  # once per function and kind; /metrics counts the rest
+            self._logged.add((name, kind))
+            log.warning("reward function '%s' failed (%s): that completion gets 0 from it; logged once, "
+                        "counted in /metrics:\n%s", name, kind, detail)  # fmt: skip
+        return 0.0
+
+    def _result(self, name: str, value: Any) -> float:
+        reward, kind = checked(value)
+        if kind is None:
+            return reward
+        return self._failed(name, kind, f"it returned {type(value).__name__} {value!r:.200}")
+
+    def _inline(self, calls: list[RewardCall]) -> list[dict[str, float]]:
+        out: list[dict[str, float]] = [{} for _ in calls]
+        for f in self.functions:
+            if not f.inline:
+                continue
+            for row, call in zip(out, calls, strict=True):
+                try:
+                    row[f.name] = self._result(f.name, call_function(f.fn, call))
+                except Exception:
+                    row[f.name] = self._failed(f.name, "raised", traceback.format_exc())
+        return out
+
+    async def _remote_call(self, index: int, f: RewardFunction, call: RewardCall) -> float:
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+            for _ in range(self._size):
+                self._idle.put_nowait(None)
+        worker = await self._idle.get()
+        keep = False
+        try:
+            if worker is None:
+                worker = await _Worker.start([r.spec for r in self._remote])
+            reply = await asyncio.wait_for(worker.call(index, call), self.timeout_s)
+            keep = True
+        except TimeoutError:
+            return self._failed(f.name, "timeout", f"a call ran past reward.timeout_s = {self.timeout_s} s")
+        except (EOFError, ConnectionError, json.JSONDecodeError) as e:
+            return self._failed(f.name, "crashed", f"its worker process died during the call ({e!r})")
+        finally:
+            if not keep and worker is not None:  # timed out, died, or cancelled mid-call: never reuse
+                await worker.kill()
+            self._idle.put_nowait(worker if keep else None)
+        if "error" in reply:
+            return self._failed(f.name, reply["error"], reply.get("detail", ""))
+        return self._result(f.name, reply["value"])
+
+    async def score(self, calls: list[RewardCall]) -> list[dict[str, float]]:
+        """Every function's reward for each call: [{name: reward}], in the calls' order."""
+        inline = len(self._remote) < len(self.functions)
+        out = await asyncio.to_thread(self._inline, calls) if inline else [{} for _ in calls]
+        jobs = [(f, row, call) for f in self._remote for row, call in zip(out, calls, strict=True)]
+        values = await asyncio.gather(*(self._remote_call(self._remote.index(f), f, c) for f, _, c in jobs))
+        for (f, row, _), value in zip(jobs, values, strict=True):
+            row[f.name] = value
+        return [{f.name: row[f.name] for f in self.functions} for row in out]
+
+    async def close(self) -> None:
+        if self._idle is None:
+            return
+        while not self._idle.empty():
+            worker = self._idle.get_nowait()
+            if worker is not None:
+                await worker.kill()
