@@ -81,7 +81,7 @@ class DataConfig(_Section):
     )
     id_column: str | None = Field(
         default=None,
-        description="custom: a column of unique ids; None = '<file or dataset>-<split>-<row index>'. Ids "
+        description="custom: a column of unique ids; None = '<split>-<row index>'. Ids "
         "must stay stable: resume and the server's cursor rely on them",
     )
     system_prompt: str | None = Field(default=None, description="a system message put before each prompt")

@@ -32,7 +32,7 @@ FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parque
 
 @dataclass(frozen=True)
 class Problem:
-    id: str  # stable across runs: "<task>-<split>-<index>", or the dataset's id column
+    id: str  # stable across runs: "<task>-<split>-<index>" (custom: "<split>-<index>" or the id column)
     question: str  # the prompt as the dataset has it
     answer: str  # the reference answer: gsm8k/arith normalise it ("1000"), custom passes the column as text
     # The conversation the model sees; None: the question with the math instruction (MATH_TEMPLATE).
@@ -234,8 +234,8 @@ def _dataset_file(cfg: DataConfig, split: str) -> Path:
     return path
 
 
-def _read_table(cfg: DataConfig, split: str) -> tuple[list[dict[str, Any]], list[str], str]:
-    """(rows, column names, a name for ids) of one split of a custom dataset."""
+def _read_table(cfg: DataConfig, split: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """(rows, column names) of one split of a custom dataset."""
     try:
         import datasets as hf_datasets
     except ImportError:
@@ -247,7 +247,6 @@ def _read_table(cfg: DataConfig, split: str) -> tuple[list[dict[str, Any]], list
             ds = hf_datasets.load_dataset(FORMATS[file.suffix], data_files=str(file), split="train")
         except Exception as e:  # malformed JSON/CSV/Parquet: name the file and keep datasets' reason
             raise DatasetError(f"data.path: could not read {file}: {type(e).__name__}: {e}") from None
-        name = file.stem if Path(cfg.path).is_file() else Path(cfg.path).name
     else:
         try:
             ds = hf_datasets.load_dataset(cfg.hub_id, cfg.hub_config, split=split)
@@ -256,8 +255,7 @@ def _read_table(cfg: DataConfig, split: str) -> tuple[list[dict[str, Any]], list
                 f"could not load {cfg.hub_id} (config {cfg.hub_config!r}, split '{split}') from the hub: "
                 f"{e}. Offline? Set data.path to a local file or folder."
             ) from e
-        name = cfg.hub_id.rsplit("/", 1)[-1]
-    return ds.to_list(), list(ds.column_names), name
+    return ds.to_list(), list(ds.column_names)
 
 
 def _jsonable(value: Any) -> Any:
@@ -280,7 +278,7 @@ def _chat(value: Any, where: str) -> list[dict[str, str]]:
 
 def load_custom(cfg: DataConfig, split: str) -> list[Problem]:
     """One split of the user's dataset through the column mapping of `data`; errors name the field."""
-    rows, columns, name = _read_table(cfg, split)
+    rows, columns = _read_table(cfg, split)
     source = cfg.path or cfg.hub_id
     wanted = {
         "data.messages_column" if cfg.messages_column else "data.prompt_column": cfg.messages_column
@@ -308,7 +306,7 @@ def load_custom(cfg: DataConfig, split: str) -> list[Problem]:
                 raise DatasetError(f"{where}: data.prompt_column '{cfg.prompt_column}' is empty or not text")
             messages = render(cfg, question, row)
         answer = row[cfg.answer_column] if cfg.answer_column else None
-        pid = str(row[cfg.id_column]) if cfg.id_column else f"{name}-{split}-{i}"
+        pid = str(row[cfg.id_column]) if cfg.id_column else f"{split}-{i}"
         if pid in seen or not pid:
             raise DatasetError(f"{where}: data.id_column: id {pid!r} is empty or not unique")
         seen.add(pid)

@@ -92,12 +92,16 @@ class FakeBackend:
     async def close(self): ...
 
 
-def fake_app(tmp_path: Path, backend: FakeBackend, on_fatal=lambda: None, problems=PROBLEMS, **server):
-    """The real app (G = 4, batches of 2 prompts) on `backend`, state under tmp_path/state."""
+def fake_app(
+    tmp_path: Path, backend: FakeBackend, on_fatal=lambda: None, problems=PROBLEMS, reward=None, **server
+):
+    """The real app (G = 4, batches of 2 prompts) on `backend`, state under tmp_path/state; `reward`: the
+    [reward] section."""
     cfg = TandemConfig.model_validate(
         {
             "sampling": {"group_size": 4},
             "server": {"state_dir": str(tmp_path / "state"), "prompts_per_batch": 2, **server},
+            "reward": reward or {},
         }
     )
 

@@ -158,3 +158,49 @@ def test_a_retired_version_is_unloaded_only_when_the_last_batch_using_it_ends(tm
         assert backend.unloaded == [1, 2] and backend.loaded == [1, 2, 3]
 
     asyncio.run(scenario())
+
+
+BAD_REWARDS = """
+import math, time
+
+def raises(completion, answer, prompt, metadata):
+    raise RuntimeError("a bug in the user's reward")
+
+def hangs(completion, answer, prompt, metadata):
+    time.sleep(3600)
+
+def nan(completion, answer, prompt, metadata):
+    return math.nan
+
+def text(completion, answer, prompt, metadata):
+    return "0.5"
+"""
+
+
+def test_bad_reward_functions_give_zero_are_counted_and_the_groups_still_flow(tmp_path, monkeypatch):
+    (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    bad = ["raises", "hangs", "nan", "text"]
+    reward = {
+        "functions": ["gsm8k", *(f"bad_rewards:{n}" for n in bad)],
+        "weights": [2.0, 1.0, 1.0, 1.0, 1.0],
+        "timeout_s": 1.0,
+        "workers": 4,
+    }
+    with TestClient(fake_app(tmp_path, FakeBackend(), reward=reward, queue_size=2)) as c:
+        body = _pull(c, 2, wait_s=60)
+        assert len(body["groups"]) == 2
+        for g in body["groups"]:
+            for i, x in enumerate(g["completions"]):
+                right = 1.0 if i % 2 == 0 else 0.0  # "#### 3" vs "#### 4"
+                assert x["rewards"] == {"gsm8k": right, **{n: 0.0 for n in bad}}
+                assert x["reward"] == 2.0 * right
+        assert c.post("/v1/groups/ack", json={"lease_id": body["lease_id"]}).json() == {"acked": 2}
+        assert _pull(c, 2, wait_s=60)["groups"]  # still producing
+        assert c.get("/health").status_code == 200
+        kinds = {"raises": "raised", "hangs": "timeout", "nan": "non_finite", "text": "bad_type"}
+        for name, kind in kinds.items():
+            label = f'tandem_reward_failures_total{{function="{name}",kind="{kind}"}}'
+            assert _metric(c, label) >= 16.0  # 2 batches x 2 groups x G = 4, each call failed
+        assert _metric(c, 'tandem_reward_function_sum{function="gsm8k"}') >= 8.0

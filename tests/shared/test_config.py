@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -116,3 +117,36 @@ def test_cli_error_is_one_line():
     assert out.stderr.strip() == (
         "error: invalid config: sampling.group_size: Input should be greater than or equal to 2 (got 1)"
     )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--data.prompt_column=question"], "error: data.prompt_column: no column 'question' in "),
+        (
+            ['--reward.functions=["gsm8k", "no_such_module:f"]'],
+            "error: reward.functions[1]: 'no_such_module:f': ",
+        ),
+        (
+            ['--reward.functions=["gsm8k", "r1_format"]', "--reward.weights=[1.0]"],
+            "error: invalid config: reward.weights",
+        ),
+    ],
+)
+@pytest.mark.parametrize("entry", ["rollout_server", "learner"])
+def test_check_config_checks_the_task_in_one_line_before_any_model(tmp_path, overrides, message, entry):
+    (tmp_path / "train.jsonl").write_text('{"problem": "2+2?", "final": 4}\n')
+    task = [
+        "--data.task=custom",
+        f"--data.path={tmp_path}",
+        "--data.prompt_column=problem",
+        "--data.answer_column=final",
+        "--model.name=/nonexistent/model",  # had anything tried to load a model, this would fail
+    ]
+    cmd = [sys.executable, "-m", entry, *task, "--check-config"]
+    out = subprocess.run([*cmd, *overrides], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), out.stderr
+    ok = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["data"]["prompt_column"] == "problem", ok.stderr

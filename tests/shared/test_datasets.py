@@ -6,7 +6,9 @@ from shared.config import DataConfig
 from shared.datasets import (
     INSTRUCTION,
     DatasetError,
+    Problem,
     chat_prompt_ids,
+    drop_long_prompts,
     epoch_order,
     load_gsm8k,
     load_problems,
@@ -112,3 +114,148 @@ def test_chat_prompt_uses_the_models_template(model_dir):
     assert "What is 2+3?" in text and INSTRUCTION in text
     assert type(ids) is list and all(type(i) is int for i in ids)  # plain ints (no tensor), for the wire
     assert json.loads(json.dumps(ids)) == ids
+
+
+# -- custom datasets ---------------------------------------------------------------------------------
+ROWS = [
+    {"uid": "a1", "problem": "What is 2 + 2?", "final": 4, "level": 1},
+    {"uid": "b2", "problem": "What is 3 x 3?", "final": 9, "level": 2},
+]
+
+
+def custom(**kw) -> DataConfig:
+    base = dict(task="custom", prompt_column="problem", answer_column="final")
+    return DataConfig(**{**base, **kw})
+
+
+def write(folder, split: str, fmt: str, rows=ROWS):
+    import pandas as pd
+
+    path = folder / f"{split}.{fmt}"
+    if fmt == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif fmt == "json":
+        path.write_text(json.dumps(rows))
+    elif fmt == "csv":
+        pd.DataFrame(rows).to_csv(path, index=False)
+    else:
+        pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet"])
+def test_custom_dataset_from_a_file_or_folder_in_every_format(tmp_path, fmt):
+    file = write(tmp_path, "train", fmt)
+    write(tmp_path, "test", fmt, ROWS[:1])
+    from_file = load_problems(custom(path=str(file)))
+    from_folder = load_problems(custom(path=str(tmp_path)))
+    assert from_file == from_folder
+    assert [(p.id, p.question, p.answer) for p in from_file] == [
+        ("train-0", "What is 2 + 2?", "4"),
+        ("train-1", "What is 3 x 3?", "9"),
+    ]
+    assert from_file[1].metadata == {"uid": "b2", "level": 2}  # the other columns, for reward functions
+    assert from_file[0].conversation() == [{"role": "user", "content": "What is 2 + 2?"}]  # no instruction
+    assert len(load_problems(custom(path=str(tmp_path)), "test")) == 1
+    with pytest.raises(DatasetError, match="data.path is one file, read as the 'train' split"):
+        load_problems(custom(path=str(file)), "test")
+
+
+def test_custom_template_system_prompt_ids_and_messages(tmp_path):
+    write(tmp_path, "train", "jsonl")
+    cfg = custom(
+        path=str(tmp_path),
+        id_column="uid",
+        system_prompt="Be brief.",
+        prompt_template="[level {level}] {prompt}\nEnd with #### and the number.",
+    )
+    p = load_problems(cfg)[1]
+    assert p.id == "b2"
+    assert p.conversation() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "[level 2] What is 3 x 3?\nEnd with #### and the number."},
+    ]
+    assert p.prompt_text == "[level 2] What is 3 x 3?\nEnd with #### and the number."
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yes?"},
+        {"role": "user", "content": "2+2?"},
+    ]
+    write(tmp_path, "train", "jsonl", [{"chat": chat, "final": 4}])
+    p = load_problems(custom(path=str(tmp_path), messages_column="chat", system_prompt="S"))[0]
+    assert p.conversation() == [{"role": "system", "content": "S"}, *chat] and p.prompt_text == "2+2?"
+    # gsm8k and arith take the template and system prompt too
+    arith = load_problems(
+        DataConfig(task="arith", arith_size=10, system_prompt="S", prompt_template="Q: {prompt}")
+    )
+    assert arith[0].conversation() == [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": f"Q: {arith[0].question}"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "kw, rows, message",
+    [
+        (
+            dict(prompt_column="question"),
+            ROWS,
+            r"data.prompt_column: no column 'question' in .* \(columns: uid, problem, final, level\)",
+        ),
+        (dict(answer_column="solution"), ROWS, r"data.answer_column: no column 'solution'"),
+        (dict(id_column="key"), ROWS, r"data.id_column: no column 'key'"),
+        (
+            dict(id_column="level"),
+            [*ROWS, {**ROWS[0], "uid": "c"}],
+            r"row 2: data.id_column: id '1' is empty or not unique",
+        ),
+        (dict(prompt_template="{prompt} {missing}"), ROWS, r"data.prompt_template: no column 'missing'"),
+        (dict(messages_column="problem"), ROWS, r"row 0: data.messages_column must hold a non-empty list"),
+        ({}, [{**ROWS[0], "problem": "  "}], r"row 0: data.prompt_column 'problem' is empty or not text"),
+    ],
+)
+def test_custom_dataset_errors_name_the_field(tmp_path, kw, rows, message):
+    write(tmp_path, "train", "jsonl", rows)
+    with pytest.raises(DatasetError, match=message):
+        load_problems(custom(path=str(tmp_path), **kw))
+
+
+def test_custom_dataset_missing_empty_or_unreadable(tmp_path):
+    with pytest.raises(DatasetError, match="data.path: .*nope does not exist"):
+        load_problems(custom(path=str(tmp_path / "nope")))
+    with pytest.raises(DatasetError, match=r"data.path: no train.jsonl \(or .json, .csv, .parquet\)"):
+        load_problems(custom(path=str(tmp_path)))
+    (tmp_path / "train.jsonl").write_text("")
+    with pytest.raises(DatasetError, match="split 'train' has no rows|could not read"):
+        load_problems(custom(path=str(tmp_path)))
+    (tmp_path / "train.jsonl").write_text("{oops\n")
+    with pytest.raises(DatasetError, match="data.path: could not read .*train.jsonl"):
+        load_problems(custom(path=str(tmp_path)))
+
+
+def test_custom_dataset_from_the_hub_passes_config_and_split(monkeypatch):
+    import datasets
+
+    calls = []
+
+    class Fake:
+        column_names = ["problem", "final", "level", "uid"]
+
+        def to_list(self):
+            return ROWS
+
+    def fake_load(name, config, split):
+        calls.append((name, config, split))
+        return Fake()
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    problems = load_problems(custom(hub_id="me/tasks", hub_config="easy", split="validation"))
+    assert calls == [("me/tasks", "easy", "validation")] and problems[0].id == "validation-0"
+
+
+def test_prompts_too_long_are_dropped_and_named():
+    from tests.fakes import FakeTokenizer
+
+    problems = [Problem("short", "x" * 10, "1"), Problem("long", "x" * 500, "1")]
+    kept, dropped = drop_long_prompts(problems, FakeTokenizer(), max_model_len=256)
+    assert [p.id for p in kept] == ["short"] and dropped == ["long"]
