@@ -199,7 +199,11 @@ class Producer:
             for _, problem, _, group in usable
             for smp in group
         ]
-        rewards = iter(await self.rewards.score(calls))
+        rewards = await self.rewards.score(calls)
+        if self.cfg.reward.truncated == "zero":
+            cut = [smp.finish_reason == "length" for *_, group in usable for smp in group]
+            rewards = [dict.fromkeys(r, 0.0) if c else r for r, c in zip(rewards, cut, strict=True)]
+        rewards = iter(rewards)
         groups = [
             _group(epoch, problem, ids, group, version, [next(rewards) for _ in group], self.rewards)
             for epoch, problem, ids, group in usable

@@ -123,6 +123,12 @@ class RewardConfig(_Section):
         le=3600,
         description="per call: a function still running is killed and gives 0 (counted in /metrics)",
     )
+    truncated: Literal["score", "zero"] = Field(
+        default="score",
+        description="a completion stopped by sampling.max_new_tokens: 'score' it like any other, or give it "
+        "'zero' from every function (its answer was never finished, and a verifier that falls back to the "
+        "last number would credit a half-written line). Training only: learner.evaluate scores as usual",
+    )
     workers: int = Field(
         default=2,
         ge=1,

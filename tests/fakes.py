@@ -33,7 +33,8 @@ class FakeBackend:
     fail_after: calls past this many raise (an engine that died). delay_s: each call takes this long.
     abort_first: the first call is aborted as vLLM's sleep() aborts requests. release: an asyncio.Event
     that each call waits for (the test sets it to let the batch finish). unusable: (prompt token ids,
-    "empty" | "nan"): that prompt's first sample comes back with no tokens or with a NaN logprob.
+    "empty" | "nan"): that prompt's first sample comes back with no tokens or with a NaN logprob. cut: the
+    sample of each prompt with this index stops at max_tokens (finish_reason "length").
     """
 
     name = "fake"
@@ -45,6 +46,7 @@ class FakeBackend:
         abort_first: bool = False,
         release: asyncio.Event | None = None,
         unusable: tuple[list[int], str] | None = None,
+        cut: int | None = None,
     ):
         self.tokenizer = FakeTokenizer()
         self.calls: list[tuple[int, int]] = []  # (prompts, n) of each call
@@ -52,7 +54,7 @@ class FakeBackend:
         self.loaded: list[int] = []
         self.unloaded: list[int] = []
         self.fail_after, self.delay_s, self.abort_first = fail_after, delay_s, abort_first
-        self.release, self.unusable = release, unusable
+        self.release, self.unusable, self.cut = release, unusable, cut
         self.started = asyncio.Event()  # set when a generate call begins
 
     async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True):
@@ -67,7 +69,8 @@ class FakeBackend:
         if self.release is not None:
             await self.release.wait()
         lp = [-0.5] if logprobs else []
-        out = [[Sample([7], lp, f"#### {3 + i % 2}", "stop") for i in range(n)] for _ in prompts]
+        reason = ["length" if i == self.cut else "stop" for i in range(n)]
+        out = [[Sample([7], lp, f"#### {3 + i % 2}", reason[i]) for i in range(n)] for _ in prompts]
         for row, prompt in zip(out, prompts, strict=True):
             if self.unusable and list(prompt) == list(self.unusable[0]):
                 kind = self.unusable[1]

@@ -204,3 +204,14 @@ def test_bad_reward_functions_give_zero_are_counted_and_the_groups_still_flow(tm
             label = f'tandem_reward_failures_total{{function="{name}",kind="{kind}"}}'
             assert _metric(c, label) >= 16.0  # 2 batches x 2 groups x G = 4, each call failed
         assert _metric(c, 'tandem_reward_function_sum{function="gsm8k"}') >= 8.0
+
+
+@pytest.mark.parametrize("truncated, want", [("score", [1.0, 0.0, 1.0, 0.0]), ("zero", [1.0, 0.0, 0.0, 0.0])])
+def test_truncated_completions_score_or_get_zero(tmp_path, truncated, want):
+    """Sample 2 of every group says "#### 3", right, but was stopped at max_tokens."""
+    app = fake_app(tmp_path, FakeBackend(cut=2), reward={"truncated": truncated})
+    with TestClient(app) as c:
+        for g in _pull(c, 2)["groups"]:
+            assert [x["finish_reason"] for x in g["completions"]] == ["stop", "stop", "length", "stop"]
+            assert [x["reward"] for x in g["completions"]] == want
+            assert [x["rewards"]["gsm8k"] for x in g["completions"]] == want
