@@ -2,9 +2,10 @@
 
     make demo                       # or: .venv/bin/python scripts/demo.py [--steps 30] [--eval-problems 100]
 
-Starts the rollout server (the config's backend: vLLM with merged versions on CPU) and the learner (DeepSpeed ZeRO-2) from
-deploy/configs/cpu.toml, measures held-out accuracy before and after training through the server, and ends
-with a summary and a PNG of the reward and accuracy curves. Everything lands in runs/demo-<time>/.
+Starts the rollout server (the config's backend: vLLM with merged versions on CPU) and the learner
+(DeepSpeed ZeRO-2) from deploy/configs/cpu.toml, measures held-out accuracy before and after training
+through the server, and ends with a summary and a PNG of the reward and accuracy curves. Everything lands
+in runs/demo-<time>/.
 """
 
 from __future__ import annotations
