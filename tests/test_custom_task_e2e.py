@@ -59,6 +59,7 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
         "--data.prompt_template=Level {level}: {prompt}\nEnd with a line '#### <number>'.",
         f'--reward.functions=["my_rewards:exact", "{code}/my_rewards.py:tagged", "my_rewards:broken"]',
         f"--reward.weights={list(WEIGHTS.values())}",
+        "--reward.truncated=score",  # cpu.toml zeroes completions cut at max_new_tokens: score them all here
         "--sampling.group_size=4",
         "--sampling.max_new_tokens=40",
         "--server.prompts_per_batch=2",
