@@ -120,13 +120,16 @@ def create_app(
     model_path: str,
     backend_factory: BackendFactory,
     on_fatal: Callable[[], None] = lambda: None,
+    skipped_prompts: int = 0,
 ) -> FastAPI:
-    """`on_fatal` is called once the producer has died: serve() makes the process exit 1 then."""
+    """`on_fatal` is called once the producer has died: serve() makes the process exit 1 then.
+    `skipped_prompts`: problems left out at start for a prompt too long (counted in /metrics)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         log.info("starting %s backend for %s", cfg.server.backend, model_path)
         server = Server(cfg, await backend_factory(), problems, model_path)
+        server.metrics.prompts_too_long.inc(skipped_prompts)
         await server.policy.restore()
         app.state.loop = asyncio.get_running_loop()
         app.state.server = server
@@ -399,7 +402,7 @@ async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
     return await HFBackend.create(cfg, model_path)
 
 
-def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem]]:
+def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
     """What must hold before the engine starts (minutes on a GPU): the vLLM version, the model, the
     data, the reward functions, a readable cursor. Raises the errors serve() turns into `error: ...` and
     exit 2."""
@@ -432,7 +435,7 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem]]:
     load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))
     log.info("%d %s problems (%s split); rewards: %s", len(problems), cfg.data.task, cfg.data.split,
              ", ".join(cfg.reward.functions))  # fmt: skip
-    return model_path, problems
+    return model_path, problems, len(dropped)
 
 
 def serve(cfg: TandemConfig) -> int:
@@ -445,7 +448,7 @@ def serve(cfg: TandemConfig) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        model_path, problems = _prepare(cfg)
+        model_path, problems, skipped = _prepare(cfg)
     except (ModelError, DatasetError, StateError, VllmVersionError, ConfigError) as e:
         print(f"error: {e}", flush=True)
         return 2
@@ -462,7 +465,7 @@ def serve(cfg: TandemConfig) -> int:
             self.fatal, self.should_exit = True, True
 
     app = create_app(
-        cfg, problems, model_path, lambda: make_backend(cfg, model_path), lambda: server.on_fatal()
+        cfg, problems, model_path, lambda: make_backend(cfg, model_path), lambda: server.on_fatal(), skipped
     )
     s = cfg.server
     server = Uvicorn(

@@ -33,7 +33,10 @@ class ServerMetrics:
             registry=r,
         )
         self.prompts_too_long = Counter(
-            "tandem_prompts_too_long", "prompts skipped: no room within max_model_len", registry=r
+            "tandem_prompts_too_long",
+            "prompts skipped: no room within max_model_len (problems left out at start, then any found when "
+            "generating)",
+            registry=r,
         )
         self.groups_invalid = Counter("tandem_groups_invalid", "groups dropped: unusable sample", registry=r)
         self.generate_s = Histogram(

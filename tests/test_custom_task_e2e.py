@@ -47,7 +47,8 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
         {"uid": f"q{i:03d}", "problem": p.question, "solution_value": int(p.answer), "level": 1 + i % 3}
         for i, p in enumerate(make_arith("train", 64, difficulty=1))
     ]
-    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    too_long = {"uid": "long", "problem": "How many? " * 400, "solution_value": 1, "level": 1}  # > 512 tokens
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, too_long]))
     (code / "my_rewards.py").write_text(REWARDS)
     task = [
         "--data.task=custom",
@@ -105,6 +106,9 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
                     values[name].append(v)
         for name, v in values.items():  # the learner logs each function's mean over what it trained on
             assert m[f"reward/{name}/mean"] == pytest.approx(sum(v) / len(v))
+    assert "long" not in {g["prompt_id"] for record in steps for g in record["groups"]}
+    assert re.search(r"^tandem_prompts_too_long_total 1\.0$", metrics_text, re.M)  # left out at start
+    assert "skipped 1 of 65 custom problems whose prompt alone" in (tmp_path / "server.log").read_text()
     failures = re.search(
         r'tandem_reward_failures_total\{function="broken",kind="raised"\} (\S+)', metrics_text
     )
