@@ -29,6 +29,9 @@ SMALL_RUN = [
     "--sampling.group_size=4",
     "--server.prompts_per_batch=2",
     "--data.arith_difficulty=2",  # ~35 % greedy accuracy: most groups carry a learning signal
+    # cpu.toml zeroes completions cut at max_new_tokens; these runs' short limits cut most of them, which
+    # made whole groups all-zero (no gradient: the shared-prompt gradient test once had nothing to compare)
+    "--reward.truncated=score",
 ]
 SMALL_LEARNER = [
     "--learner.prompts_per_step=2",
