@@ -187,7 +187,10 @@ def test_shared_prompt_gives_the_plain_gradients_at_two_processes(three_steps, t
     for k, g in grads["false"].items():
         scale = g.abs().max().item()
         assert scale > 10 * floor[k], f"{k}: no gradient above fp32 rounding, nothing compared"
-        assert (g - grads["true"][k]).abs().max().item() <= 1e-4 * scale + floor[k], k
+        # The two paths sum in different orders: where a step's gradient is small next to its terms
+        # (advantages cancel), fp32 order differences reached 1.5e-4 of it (seen once, k_proj A at step 2).
+        # A wrong mask or position gives O(1) differences.
+        assert (g - grads["true"][k]).abs().max().item() <= 1e-3 * scale + floor[k], k
 
 
 @pytest.fixture
