@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from learner.metrics import STEP_KEYS
+from shared.protocol import is_degenerate
 from tests.helpers import SMALL_LEARNER, SMALL_RUN, Proc, free_port, start_learner, start_server
 
 pytestmark = pytest.mark.slow
@@ -143,6 +144,11 @@ def test_shared_prompt_gives_the_plain_gradients_at_two_processes(three_steps, t
     no gradient at step 1 (B = 0), so v2's A - v1's A = -lr·g2(A). The large lr keeps that difference far
     above fp32's rounding of A (~0.04: ulp 4e-9); at lr 0.01 it was 1e-8 and rounding alone differed 10 %."""
     out = three_steps[0]
+    for rec in _jsonl(out / "groups.jsonl")[:2]:  # B needs step 1's signal, A's difference step 2's
+        if all(is_degenerate([c["reward"] for c in g["completions"]]) for g in rec["groups"]):
+            pytest.skip(
+                f"the recorded run's step {rec['step']} has no learning signal: no gradient to compare"
+            )
     sgd = [
         "--deepspeed.overrides.optimizer.type=SGD",
         "--deepspeed.overrides.zero_allow_untested_optimizer=true",
