@@ -303,9 +303,13 @@ class RewardRunner:
         """Every function's reward for each call: [{name: reward}], in the calls' order."""
         inline = len(self._remote) < len(self.functions)
         out = await asyncio.to_thread(self._inline, calls) if inline else [{} for _ in calls]
-        jobs = [(f, row, call) for f in self._remote for row, call in zip(out, calls, strict=True)]
-        values = await asyncio.gather(*(self._remote_call(self._remote.index(f), f, c) for f, _, c in jobs))
-        for (f, row, _), value in zip(jobs, values, strict=True):
+        jobs = [
+            (i, f, row, call)
+            for i, f in enumerate(self._remote)
+            for row, call in zip(out, calls, strict=True)
+        ]
+        values = await asyncio.gather(*(self._remote_call(i, f, c) for i, f, _, c in jobs))
+        for (_, f, row, _), value in zip(jobs, values, strict=True):
             row[f.name] = value
         return [{f.name: row[f.name] for f in self.functions} for row in out]
 
