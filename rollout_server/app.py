@@ -12,6 +12,7 @@ SIGTERM cancels evaluation requests in flight (503) and stops within server.shut
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -21,8 +22,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from rollout_server import openai_api
 from rollout_server.adapters import (
     AdapterRejected,
     AdapterStore,
@@ -36,6 +40,7 @@ from rollout_server.backend import GenerationAborted, RolloutBackend
 from rollout_server.events import EventLog
 from rollout_server.guard import RequestGuard
 from rollout_server.metrics import ServerMetrics
+from rollout_server.openai_api import Evaluation, OpenAIError
 from rollout_server.policy import Policy
 from rollout_server.producer import Producer, StateError, load_cursor
 from rollout_server.queue import LeaseError, LeaseQueue
@@ -85,6 +90,7 @@ class Server:
         )
         self.failure: str | None = None  # set when the producer dies: /health turns 503
         self.evaluations: set[asyncio.Task] = set()  # /v1/generate work in flight
+        self.evaluation = Evaluation(cfg.server.openai_max_sequences)  # the OpenAI endpoints' slots
         self.shutting_down = False
 
     def prompt_ids(self, prompt: str) -> list[int]:
@@ -147,11 +153,34 @@ def create_app(
     app = FastAPI(title="tandem rollout server", version=P.PROTOCOL_VERSION, lifespan=lifespan)
     token = os.environ.get(cfg.server.api_token_env) or None
     app.add_middleware(RequestGuard, token=token, limit_for=body_limit(cfg))
-    app.add_exception_handler(AdapterRejected, _rejected)
-    app.add_exception_handler(GenerationAborted, _aborted)
+    app.add_exception_handler(AdapterRejected, _openai_or(_rejected))
+    app.add_exception_handler(GenerationAborted, _openai_or(_aborted))
     app.add_exception_handler(LeaseError, _lease_error)
+    app.add_exception_handler(HTTPException, _openai_or(http_exception_handler))
+    app.add_exception_handler(RequestValidationError, _openai_or(request_validation_exception_handler))
+    app.add_exception_handler(OpenAIError, lambda request, exc: openai_api.error_response(exc))
     app.include_router(router)
+    app.include_router(openai_api.router)
     return app
+
+
+def _openai_or(handler):
+    """`handler` for tandem's routes; OpenAI's error schema on the OpenAI-compatible ones (a validation
+    error there is a 400 naming the field, as OpenAI answers)."""
+
+    async def handle(request: Request, exc: Exception):
+        if not openai_api.is_openai_path(request.url.path):
+            return await handler(request, exc)
+        if isinstance(exc, RequestValidationError):
+            return openai_api.error_response(openai_api.validation_error(list(exc.errors())))
+        response = await handler(request, exc)
+        detail = json.loads(response.body).get("detail")
+        message = detail if isinstance(detail, str) else json.dumps(detail)
+        err = OpenAIError(response.status_code, message)
+        err.headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
+        return openai_api.error_response(err)
+
+    return handle
 
 
 def _producer_done(server: Server, task: asyncio.Task, on_fatal: Callable[[], None]) -> None:
@@ -331,7 +360,7 @@ async def generate(req: P.GenerateRequest, s: Server = Depends(srv)):
     max_tokens = min(req.max_tokens or cfg.sampling.max_new_tokens, room)
     chunk = cfg.server.prompts_per_batch * cfg.sampling.group_size
     work = _generate_in_chunks(s.backend, prompts, req.n, req.temperature, max_tokens, adapter, chunk)
-    samples = await _bounded(s, work, cfg.server.generate_timeout_s)
+    samples = await bounded(s, work, cfg.server.generate_timeout_s)
     outputs = [
         [P.GeneratedText(text=x.text, token_ids=x.token_ids, finish_reason=x.finish_reason) for x in row]
         for row in samples
@@ -370,7 +399,7 @@ async def _generate_in_chunks(backend, prompts, n, temperature, max_tokens, adap
     return rows
 
 
-async def _bounded(s: Server, work, timeout_s: float):
+async def bounded(s: Server, work, timeout_s: float):
     """Run an evaluation request's work as a task SIGTERM can cancel, for at most timeout_s."""
     task = asyncio.ensure_future(work)
     s.evaluations.add(task)

@@ -4,7 +4,8 @@ sleep, wake. `vllm` and `hf` implement it; a remote OpenAI-compatible backend wo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shared.protocol import adapter_name
@@ -28,6 +29,37 @@ class Sample:
     logprobs: list[float]  # sampler logprob of each token, after temperature (empty for greedy)
     text: str  # decoded completion, special tokens skipped
     finish_reason: str  # "stop" | "length"
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """One sequence as an OpenAI-style client asks for it (rollout_server/openai_api.py)."""
+
+    max_tokens: int  # 0: no completion, only the prompt's logprobs (echo)
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()  # the completion ends before the first of these; not included in it
+    logprobs: int | None = None  # each generated token's logprob and this many alternatives; None: none
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)  # the most likely tokens at this position
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one sequence of a TextRequest adds at once: a streaming backend yields many, the others one.
+    prompt_logprobs comes with the first piece (None for the first token, which nothing predicts)."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None  # one per token when TextRequest.logprobs is set
+    finish_reason: str | None = None  # set on the last piece: "stop" | "length"
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class AdapterLoadError(ValueError):
@@ -59,6 +91,13 @@ class RolloutBackend(Protocol):
 
     async def score(self, prompt: list[int], completion: list[int], adapter: Adapter | None) -> list[float]:
         """Teacher-forced log π(completion[t] | prompt, completion[:t]) at temperature 1."""
+        ...
+
+    def stream(
+        self, prompt: list[int], request: TextRequest, adapter: Adapter | None
+    ) -> AsyncIterator[Piece]:
+        """One sequence for an OpenAI-style request, as it is produced. Closing the iterator early stops
+        it in the engine. Raises GenerationAborted if the engine was put to sleep under it."""
         ...
 
     async def load_adapter(self, adapter: Adapter) -> None: ...

@@ -14,9 +14,13 @@ import json
 import time
 from collections.abc import Callable
 
+from rollout_server.openai_api import error_body, is_openai_path
 
-def _answer(status: int, detail: str, extra_headers: list[tuple[bytes, bytes]] = ()):
-    body = json.dumps({"detail": detail}).encode()
+
+def _answer(status: int, detail: str, extra_headers: list[tuple[bytes, bytes]] = (), path: str = ""):
+    """A refusal: tandem's {"detail": ...}, or OpenAI's error schema on the OpenAI-compatible paths (the
+    `openai` SDK reads the message from there)."""
+    body = json.dumps(error_body(status, detail) if is_openai_path(path) else {"detail": detail}).encode()
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
@@ -35,21 +39,23 @@ class RequestGuard:
         self.token = token.encode() if token else None
         self.limit_for = limit_for  # path -> the most body bytes a request to it may carry
 
-    def _refusal(self, headers: dict[bytes, bytes], limit: int):
+    def _refusal(self, headers: dict[bytes, bytes], limit: int, path: str):
         if self.token is not None:
             auth = headers.get(b"authorization", b"")
             if not auth.lower().startswith(b"bearer "):
                 return _answer(
-                    401, "missing 'Authorization: Bearer <token>'", [(b"www-authenticate", b"Bearer")]
+                    401, "missing 'Authorization: Bearer <token>'", [(b"www-authenticate", b"Bearer")], path
                 )
             if not hmac.compare_digest(auth[7:].strip(), self.token):
-                return _answer(403, "wrong bearer token")
+                return _answer(403, "wrong bearer token", path=path)
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit() or len(length) > 18:
-                return _answer(400, "invalid Content-Length")
+                return _answer(400, "invalid Content-Length", path=path)
             if int(length) > limit:
-                return _answer(413, f"request body of {int(length)} bytes exceeds this endpoint's {limit}")
+                return _answer(
+                    413, f"request body of {int(length)} bytes exceeds this endpoint's {limit}", path=path
+                )
         return None
 
     async def __call__(self, scope, receive, send):
@@ -57,7 +63,7 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["arrived"] = time.perf_counter()  # request.state.arrived: timings
         limit = self.limit_for(scope["path"])
-        refusal = self._refusal(dict(scope["headers"]), limit)
+        refusal = self._refusal(dict(scope["headers"]), limit, scope["path"])
         if refusal is not None:
             for message in refusal:
                 await send(message)
@@ -82,7 +88,9 @@ class RequestGuard:
             if over:  # whatever the app answers to the cut-off body, the answer is 413
                 if not started:
                     started = True
-                    for m in _answer(413, f"request body exceeds this endpoint's {limit} bytes"):
+                    for m in _answer(
+                        413, f"request body exceeds this endpoint's {limit} bytes", path=scope["path"]
+                    ):
                         await send(m)
                 return
             await send(message)

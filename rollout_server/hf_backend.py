@@ -9,8 +9,30 @@ import threading
 
 import torch
 
-from rollout_server.backend import Adapter, AdapterLoadError, Sample
+from rollout_server.backend import Adapter, AdapterLoadError, Piece, Sample, TextRequest, TokenLogprob
 from shared.config import TandemConfig
+
+
+def _until(cancelled: threading.Event):
+    """Stopping criteria that end generation at the next token once the request is cancelled (the server
+    went to sleep): the worker thread would otherwise compute the whole batch while the learner trains."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Cancelled(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), cancelled.is_set(), dtype=torch.bool)
+
+    return StoppingCriteriaList([Cancelled()])
+
+
+def _logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """[T, V] log-probabilities -> each position's chosen token's and its `top` most likely."""
+    values, ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device)[:, None]).squeeze(-1)
+    return [
+        TokenLogprob(t, lp, {**dict(zip(i, v, strict=True)), t: lp})
+        for t, lp, i, v in zip(tokens, chosen.tolist(), ids.tolist(), values.tolist(), strict=True)
+    ]
 
 
 class HFBackend:
@@ -70,15 +92,6 @@ class HFBackend:
         return nullcontext()
 
     def _generate(self, prompts, n, temperature, max_tokens, adapter, cancelled: threading.Event, logprobs):
-        from transformers import StoppingCriteria, StoppingCriteriaList
-
-        class Cancelled(StoppingCriteria):
-            """Ends generation at the next token once the request is cancelled (the server went to
-            sleep): the worker thread would otherwise compute the whole batch while the learner trains."""
-
-            def __call__(self, input_ids, scores, **kwargs):
-                return torch.full((input_ids.shape[0],), cancelled.is_set(), dtype=torch.bool)
-
         if cancelled.is_set():  # cancelled while this thread waited for the lock: nobody wants the result
             return []
         eos = self.tokenizer.eos_token_id
@@ -100,7 +113,7 @@ class HFBackend:
                 max_new_tokens=max_tokens,
                 pad_token_id=pad,
                 eos_token_id=eos,
-                stopping_criteria=StoppingCriteriaList([Cancelled()]),
+                stopping_criteria=_until(cancelled),
                 output_logits=keep_logits,
                 return_dict_in_generate=True,
             )
@@ -124,6 +137,57 @@ class HFBackend:
             return await self._run(
                 self._generate, prompts, n, temperature, max_tokens, adapter, cancelled, logprobs
             )
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def _text(self, prompt: list[int], request: TextRequest, adapter, cancelled: threading.Event) -> Piece:
+        ids = torch.tensor([prompt], device=self.device)
+        sample = request.temperature > 0
+        prompt_lps = None
+        with self._select(adapter):
+            if request.prompt_logprobs is not None:
+                logits = self.model(input_ids=ids).logits[0, :-1].float()
+                prompt_lps = [None, *_logprobs(logits.log_softmax(-1), prompt[1:], request.prompt_logprobs)]
+            if request.max_tokens == 0 or cancelled.is_set():
+                return Piece([], "", [] if request.logprobs is not None else None, "length", prompt_lps)
+            eos = self.tokenizer.eos_token_id
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=sample,
+                temperature=request.temperature if sample else None,
+                top_p=request.top_p if sample else None,
+                top_k=0 if sample else None,
+                max_new_tokens=request.max_tokens,
+                pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos,
+                eos_token_id=eos,
+                stopping_criteria=_until(cancelled),
+                output_logits=request.logprobs is not None,
+                return_dict_in_generate=True,
+            )
+        new = out.sequences[0, len(prompt) :].tolist()
+        finish = "length"
+        if eos in new:
+            new, finish = new[: new.index(eos) + 1], "stop"
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        hits = [(i, x) for x in request.stop if x and (i := text.find(x)) >= 0]
+        if hits:  # as vLLM: the tokens up to the one completing the stop string, the text before it
+            cut, hit = min(hits)
+            decode = self.tokenizer.decode
+            k = next(k for k in range(1, len(new) + 1) if hit in decode(new[:k], skip_special_tokens=True))
+            new, text, finish = new[:k], text[:cut], "stop"
+        lps = None
+        if request.logprobs is not None:
+            logits = torch.stack(out.logits[: len(new)], dim=1)[0].float() / (request.temperature or 1.0)
+            lps = _logprobs(logits.log_softmax(-1), new, request.logprobs)
+        return Piece(new, text, lps, finish, prompt_lps)
+
+    async def stream(self, prompt, request, adapter):
+        """One piece: transformers' generate has no incremental output worth the threads it would take."""
+        cancelled = threading.Event()
+        try:
+            yield await self._run(self._text, prompt, request, adapter, cancelled)
         except asyncio.CancelledError:
             cancelled.set()
             raise

@@ -124,6 +124,9 @@ class Producer:
     def sleeping(self) -> bool:
         return not self._awake.is_set()
 
+    async def until_awake(self) -> None:
+        await self._awake.wait()
+
     async def sleep(self) -> None:
         self._awake.clear()
         if self._batch is not None and not self._batch.done():

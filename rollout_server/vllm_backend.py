@@ -10,7 +10,15 @@ import os
 import uuid
 from contextlib import asynccontextmanager
 
-from rollout_server.backend import Adapter, AdapterLoadError, GenerationAborted, Sample
+from rollout_server.backend import (
+    Adapter,
+    AdapterLoadError,
+    GenerationAborted,
+    Piece,
+    Sample,
+    TextRequest,
+    TokenLogprob,
+)
 from shared.config import TandemConfig
 
 log = logging.getLogger("tandem.server")
@@ -64,6 +72,11 @@ def samples_of(out) -> list[Sample]:
         lps = [step[t].logprob for step, t in zip(c.logprobs, ids, strict=True)] if c.logprobs else []
         samples.append(Sample(ids, lps, c.text, c.finish_reason))
     return samples
+
+
+def _token_logprob(step: dict, token: int) -> TokenLogprob:
+    """A vLLM logprobs entry ({token id: Logprob}, the chosen token and the top k) as a TokenLogprob."""
+    return TokenLogprob(token, step[token].logprob, {t: lp.logprob for t, lp in step.items()})
 
 
 class _ScoringGate:
@@ -244,6 +257,57 @@ class VllmBackend:
         async with self._weights(adapter), self._gate.generating():
             outs = await asyncio.gather(*(self._one(p, params, adapter) for p in prompts))
         return [samples_of(out) for out in outs]
+
+    async def stream(self, prompt: list[int], request: TextRequest, adapter: Adapter | None):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        echo_only = request.max_tokens == 0  # vLLM generates at least one token: it is dropped
+        params = SamplingParams(
+            n=1,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_tokens=max(1, request.max_tokens),
+            stop=list(request.stop) or None,
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        # A prompt_logprobs request takes the scoring gate: it must not share a batch with sampling.
+        gate = self._gate.scoring() if request.prompt_logprobs is not None else self._gate.generating()
+        async with self._weights(adapter), gate:
+            first = True
+            async for out in self.engine.generate(
+                TokensPrompt(prompt_token_ids=prompt),
+                params,
+                uuid.uuid4().hex,
+                lora_request=self._lora(adapter),
+            ):
+                c = out.outputs[0]
+                if c.finish_reason is not None and c.finish_reason not in ("stop", "length"):
+                    raise GenerationAborted(f"the engine did not finish the request ({c.finish_reason})")
+                prompt_lps = None
+                if first and request.prompt_logprobs is not None:
+                    steps = out.prompt_logprobs or []
+                    prompt_lps = [None] + [
+                        _token_logprob(st, t) for st, t in zip(steps[1:], prompt[1:], strict=True)
+                    ]
+                first = False
+                ids = list(c.token_ids)
+                lps = (
+                    [_token_logprob(st, t) for st, t in zip(c.logprobs, ids, strict=True)]
+                    if c.logprobs
+                    else None
+                )
+                if echo_only:
+                    none = [] if request.logprobs is not None else None
+                    yield Piece([], "", none, "length" if out.finished else None, prompt_lps)
+                else:
+                    yield Piece(ids, c.text, lps, c.finish_reason if out.finished else None, prompt_lps)
+                if out.finished:
+                    return
+        raise GenerationAborted("the engine ended the request without finishing it")
 
     async def score(self, prompt: list[int], completion: list[int], adapter: Adapter | None) -> list[float]:
         from vllm import SamplingParams

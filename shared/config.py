@@ -198,6 +198,19 @@ class ServerConfig(_Section):
     generate_timeout_s: float = Field(
         default=600.0, gt=0, le=86400, description="a /v1/generate request running longer gets 504"
     )
+    openai_max_sequences: int = Field(
+        default=8,
+        ge=1,
+        description="sequences the OpenAI-compatible endpoints run in the engine at once (one per choice; "
+        "more wait): the rest of the engine's batch stays training production's",
+    )
+    openai_wait_s: float = Field(
+        default=120.0,
+        ge=0,
+        le=86400,
+        description="an OpenAI-compatible request to a sleeping server (time-sliced: the learner is "
+        "training) waits this long for the wake, then gets 503 with Retry-After",
+    )
     max_request_mb: float = Field(
         default=16.0, gt=0, description="largest body of a POST other than an adapter upload (413 above)"
     )

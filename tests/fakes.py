@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from rollout_server.app import create_app
-from rollout_server.backend import GenerationAborted, Sample
+from rollout_server.backend import GenerationAborted, Piece, Sample, TokenLogprob
 from shared.config import TandemConfig
 from shared.datasets import Problem
 
@@ -20,6 +20,12 @@ PROBLEMS = [Problem(f"arith-train-{i}", f"What is {i} + 1?", "3") for i in range
 class FakeTokenizer:
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):
         return [1] + [2 + ord(ch) % 90 for m in messages for ch in m["content"]]
+
+    def encode(self, text):
+        return [2 + ord(ch) % 90 for ch in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
 
     def __len__(self):
         return 100
@@ -50,6 +56,8 @@ class FakeBackend:
     ):
         self.tokenizer = FakeTokenizer()
         self.calls: list[tuple[int, int]] = []  # (prompts, n) of each call
+        self.texts: list[tuple] = []  # (prompt, TextRequest, adapter version) of each stream()
+        self.streaming = self.peak_streaming = 0  # stream() calls running now, and the most at once
         self.adapters: list[int] = []  # the adapter version (0: base) of each call
         self.loaded: list[int] = []
         self.unloaded: list[int] = []
@@ -83,6 +91,54 @@ class FakeBackend:
 
     async def score(self, prompt, completion, adapter):
         return [-0.5] * len(completion)
+
+    async def stream(self, prompt, request, adapter):
+        """An OpenAI-style sequence, a token a piece: tokens 20+v, 21+v, ... (v: the adapter version), five
+        and a stop, or max_tokens; each token's logprob -0.5, the next ids' -1.5, -2.5, ...; every prompt
+        token's -1.0. Honours stop strings, delay_s (per token), release and abort_first."""
+        v = adapter.version if adapter else 0
+        self.texts.append((list(prompt), request, v))
+        self.started.set()
+        if self.abort_first and len(self.texts) == 1:
+            raise GenerationAborted("the engine did not finish the request (abort)")
+        self.streaming += 1
+        self.peak_streaming = max(self.peak_streaming, self.streaming)
+        try:
+            async for piece in self._pieces(prompt, request, v):
+                yield piece
+        finally:
+            self.streaming -= 1
+
+    async def _pieces(self, prompt, request, v):
+
+        def entry(t, lp, k):
+            return TokenLogprob(t, lp, {t: lp} | {t + j: lp - j for j in range(1, k + 1)})
+
+        prompt_lps = None
+        if request.prompt_logprobs is not None:
+            prompt_lps = [None] + [entry(t, -1.0, request.prompt_logprobs) for t in prompt[1:]]
+        if request.max_tokens == 0:
+            yield Piece([], "", [] if request.logprobs is not None else None, "length", prompt_lps)
+            return
+        text = ""
+        for i in range(request.max_tokens):
+            await asyncio.sleep(self.delay_s)
+            if self.release is not None:
+                await self.release.wait()
+            t = 20 + v + i
+            piece = self.tokenizer.decode([t])
+            hit = next((x for x in request.stop if x in text + piece), None)
+            if hit is not None:
+                keep = (text + piece).index(hit) - len(text)
+                lps = [entry(t, -0.5, request.logprobs)] if request.logprobs is not None else None
+                yield Piece([t], piece[: max(0, keep)], lps, "stop", prompt_lps if i == 0 else None)
+                return
+            text += piece
+            end = "stop" if i == 4 else "length" if i == request.max_tokens - 1 else None
+            lps = [entry(t, -0.5, request.logprobs)] if request.logprobs is not None else None
+            yield Piece([t], piece, lps, end, prompt_lps if i == 0 else None)
+            if end:
+                return
 
     async def load_adapter(self, adapter):
         self.loaded.append(adapter.version)

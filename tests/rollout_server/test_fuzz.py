@@ -26,6 +26,7 @@ SERVER = [
     "--model.max_model_len=96",  # a generated prompt + completion stays short
     "--server.max_generate_sequences=4",
     "--server.max_adapter_mb=1",
+    "--server.openai_wait_s=1",  # a generated /v1/sleep must not hold the OpenAI requests after it
 ]
 EXAMPLES = int(os.environ.get("TANDEM_FUZZ_EXAMPLES", "25"))  # per operation and phase
 
@@ -72,4 +73,7 @@ def test_no_request_gets_a_5xx_or_hangs(tmp_path, model_dir):
         "/v1/adapters",
         "/v1/generate",
         "/v1/score",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
     }

@@ -312,6 +312,142 @@ def test_generate_for_evaluation_is_greedy_and_versioned(server):
     assert "tandem_groups_produced_total" in metrics and "tandem_policy_version 1.0" in metrics
 
 
+def test_openai_sdk_reaches_every_version_with_the_openai_schemas(server, tokenizer):
+    """The official `openai` SDK against the real server (after test_publish_...: v1 is stored)."""
+    import openai
+
+    backend, _, client, _ = server
+    sdk = openai.OpenAI(base_url=f"{client.url}/v1", api_key=TOKEN, max_retries=0, timeout=300)
+    assert {m.id: m.root for m in sdk.models.list()} == {
+        "base": "smollm2-135m", "policy-v1": "policy-v1", "latest": "policy-v1"}  # fmt: skip
+
+    # echo + max_tokens = 0 scores a text under each version: the same logprobs as tandem's /v1/score,
+    # and the adapter moves them
+    prompt = chat_prompt_ids(tokenizer, "Ava has 3 apples. Ava gets 4 more. How many apples now?")
+    completion = tokenizer("Ava has 3 + 4 = 7 apples.\n#### 7", add_special_tokens=False)["input_ids"]
+    scored = {}
+    for model, version in (("base", 0), ("policy-v1", 1)):
+        out = sdk.completions.create(
+            model=model, prompt=prompt + completion, max_tokens=0, echo=True, logprobs=1
+        )
+        lps = out.choices[0].logprobs.token_logprobs
+        assert lps[0] is None and len(lps) == len(prompt) + len(completion)
+        assert (
+            out.choices[0].text == tokenizer.decode(prompt + completion) and out.usage.completion_tokens == 0
+        )
+        want = client.score(prompt, completion, version=version).logprobs
+        assert max(abs(a - b) for a, b in zip(lps[len(prompt) :], want, strict=True)) < 1e-3
+        scored[model] = lps[len(prompt) :]
+    diff = sum(abs(a - b) for a, b in zip(scored["base"], scored["policy-v1"], strict=True)) / len(completion)
+    assert diff > ADAPTER_EFFECT, diff
+
+    # greedy chat completions with logprobs: each token the most likely of its alternatives
+    messages = [{"role": "user", "content": "What is 2 + 3? Reply with just the number."}]
+    for model in ("base", "latest"):
+        chat = sdk.chat.completions.create(
+            model=model, messages=messages, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3
+        )
+        assert chat.model == ("base" if model == "base" else "policy-v1")
+        (choice,) = chat.choices
+        assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+        content = choice.logprobs.content
+        assert content and chat.usage.completion_tokens >= len(content) - 1
+        for tok in content:
+            assert (
+                len(tok.top_logprobs) == 3 and tok.logprob >= max(t.logprob for t in tok.top_logprobs) - 1e-4
+            )
+        if model == "base":
+            assert "5" in choice.message.content
+
+    # n = 4 sampled completions, a stop string, and a stream that adds up to what it finishes with
+    many = sdk.completions.create(
+        model="policy-v1", prompt="Once upon a time", n=4, max_tokens=12, stop=["\n"]
+    )
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert all("\n" not in c.text and c.finish_reason in ("stop", "length") for c in many.choices)
+    assert len({c.text for c in many.choices}) > 1  # sampled at temperature 1
+    chunks = list(
+        sdk.chat.completions.create(
+            model="base", messages=messages, stream=True, max_tokens=16, temperature=0,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finished = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finished in (["stop"], ["length"]) and chunks[-1].usage.completion_tokens > 0
+    assert (
+        text
+        == sdk.chat.completions.create(model="base", messages=messages, max_tokens=16, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    if backend == "vllm":  # vLLM streams token by token; the hf backend answers in one piece
+        assert len(chunks) > 4
+
+    with pytest.raises(openai.NotFoundError):
+        sdk.completions.create(model="policy-v9", prompt="hi")
+    no_token = httpx.post(f"{client.url}/v1/completions", json={"model": "base", "prompt": "hi"})
+    assert no_token.status_code == 401 and no_token.json()["error"]["type"] == "authentication_error"
+
+
+def test_lm_eval_harness_agrees_with_learner_evaluate(server, tmp_path, tokenizer, model_dir):
+    """lm-evaluation-harness (`local-chat-completions`, tandem's task file) and learner.evaluate score the
+    same held-out problems alike for the base model and v1; a log-likelihood task runs too."""
+    import subprocess
+    import sys
+
+    from learner.evaluate import evaluate
+    from tests.helpers import REPO
+
+    backend, _, client, _ = server
+    if backend != "vllm":
+        pytest.skip("one backend is enough for the harness")
+    limit = 20
+    overrides = [o.removeprefix("--") for o in OVERRIDES]
+    cfg = load_config(REPO / "deploy/configs/cpu.toml", overrides)
+    metadata = json.dumps({"config": str(REPO / "deploy/configs/cpu.toml"), "overrides": overrides})
+    env = {**os.environ, "OPENAI_API_KEY": TOKEN}
+
+    def harness(task: str, model: str, api: str, extra: str = "") -> dict:
+        out = tmp_path / f"{task}-{model}"
+        cmd = [
+            sys.executable, "-m", "lm_eval", "--include_path", str(REPO / "eval/lm_eval"), "--tasks", task,
+            "--model", api, "--model_args", f"base_url={client.url}/v1/{'chat/' if 'chat' in api else ''}"
+            f"completions,model={model},num_concurrent=4{extra}", "--metadata", metadata,
+            "--limit", str(limit), "--output_path", str(out), "--gen_kwargs",
+            f"max_gen_toks={cfg.sampling.max_new_tokens}",
+        ]  # fmt: skip
+        if "chat" in api:
+            cmd.append("--apply_chat_template")
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+        (result,) = out.rglob("results_*.json")
+        return json.loads(result.read_text())["results"][task]
+
+    for model, version in (("base", 0), ("policy-v1", 1)):
+        got = harness("tandem_eval", model, "local-chat-completions")["exact_match,none"]
+        want = evaluate(client, cfg, version, limit)["pass@1_greedy"]
+        print(f"{model}: lm_eval {got:.3f}, learner.evaluate {want:.3f} on {limit} problems")
+        assert abs(got - want) * limit <= 1 + 1e-9, (model, got, want)
+    # multiple choice from log-likelihoods (echo): the harness's pick per problem = the argmax of the
+    # choices' summed logprobs from tandem's /v1/score, on the same tokens
+    mc = harness("tandem_eval_mc", "base", "local-completions", f",tokenizer={model_dir}")["acc,none"]
+    sys.path.insert(0, str(REPO / "eval/lm_eval"))
+    import tandem_tasks
+
+    right = 0
+    for doc in list(tandem_tasks.dataset(str(REPO / "deploy/configs/cpu.toml"), overrides)["test"])[:limit]:
+        context = tokenizer(tandem_tasks.mc_text(doc), add_special_tokens=False)["input_ids"]
+        sums = []
+        for choice in tandem_tasks.mc_choices(doc):
+            text = tandem_tasks.mc_text(doc) + " " + choice  # the harness's target_delimiter between
+            whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+            sums.append(sum(client.score(whole[: len(context)], whole[len(context) :], version=0).logprobs))
+        right += sums.index(max(sums)) == tandem_tasks.mc_target(doc)
+    print(f"multiple choice: lm_eval acc {mc:.3f}, from /v1/score {right / limit:.3f}")
+    assert abs(mc - right / limit) * limit <= 1 + 1e-9
+
+
 def test_sigterm_shuts_the_server_down_cleanly(server):
     """Last in the module: the server stops with exit code 0 (the engine closed, no traceback)."""
     _, proc, client, _ = server
