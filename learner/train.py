@@ -31,6 +31,7 @@ from learner.engine import (
 )
 from learner.grpo import grpo_loss, picked_logprobs, token_logprobs
 from learner.metrics import MetricsSink
+from learner.pool import ServerPool
 from shared.config import TandemConfig, check_batch_size
 from shared.protocol import ScoredGroup
 
@@ -424,6 +425,8 @@ def _loop(run: _Run, state: ckpt.State) -> None:
             "perf/step_s": time.perf_counter() - t_step,
             "server/queue_depth": queue_depth,
         }
+        if isinstance(run.client, ServerPool):
+            metrics |= run.client.metrics()
         with ckpt.writing(run.out, "metrics.jsonl"):
             run.sink.write(state.step, metrics)
         t_handoff = time.perf_counter()
@@ -436,15 +439,19 @@ def _loop(run: _Run, state: ckpt.State) -> None:
         t_step = time.perf_counter() - handoff_s  # a step's time includes the handoff before it
 
 
-def _connect(cfg: TandemConfig, log, stop: _Stop) -> RolloutClient:
-    """A client for the server, once it answers; its group size must be the learner's."""
-    client = RolloutClient(
-        cfg.learner.server_url,
-        token=os.environ.get(cfg.learner.api_token_env) or None,
-        retry_s=cfg.learner.server_retry_s,
-        log=log,
-        should_stop=lambda: stop.requested,
-    )
+def _connect(cfg: TandemConfig, log, stop: _Stop) -> RolloutClient | ServerPool:
+    """A client for the server (a pool for learner.server_urls), once one answers; its group size must be
+    the learner's."""
+    lc, token = cfg.learner, os.environ.get(cfg.learner.api_token_env) or None
+    urls = lc.server_urls or [lc.server_url]
+    if len(urls) > 1:
+        members = [RolloutClient(url, token=token, log=log) for url in urls]  # fail fast: the pool retries
+        client = ServerPool(members, lc.server_retry_s, lc.server_probe_s, log, lambda: stop.requested)
+        log(f"{len(urls)} rollout servers: {', '.join(urls)}")
+    else:
+        client = RolloutClient(
+            urls[0], token=token, retry_s=lc.server_retry_s, log=log, should_stop=lambda: stop.requested
+        )
     health = client.wait_ready(cfg.learner.connect_timeout_s, log=log)
     log(f"server ok: {health.backend} backend, {health.model}, serving v{health.policy_version}")
     if health.group_size != cfg.sampling.group_size:

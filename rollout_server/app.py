@@ -447,6 +447,13 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
     resolve(cfg.reward)
     model_path = resolve_model(cfg.model.name)
     problems = load_problems(cfg.data)
+    shard = cfg.server.shard_index, cfg.server.num_shards
+    if shard[1] > 1:  # each server its own prompts: two never produce the same one in an epoch
+        problems = problems[shard[0] :: shard[1]]
+        if not problems:
+            raise DatasetError(
+                f"server.shard_index={shard[0]} of server.num_shards={shard[1]} has no problems"
+            )
     problems, dropped = drop_long_prompts(
         problems, AutoTokenizer.from_pretrained(model_path), cfg.model.max_model_len
     )
@@ -462,7 +469,8 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
             f"no {cfg.data.task} problem fits within model.max_model_len={cfg.model.max_model_len}"
         )
     load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))
-    log.info("%d %s problems (%s split); rewards: %s", len(problems), cfg.data.task, cfg.data.split,
+    log.info("%d %s problems (%s split%s); rewards: %s", len(problems), cfg.data.task, cfg.data.split,
+             f", shard {shard[0]} of {shard[1]}" if shard[1] > 1 else "",
              ", ".join(cfg.reward.functions))  # fmt: skip
     return model_path, problems, len(dropped)
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import uuid
 from contextlib import asynccontextmanager
 
@@ -126,7 +127,11 @@ class _MergedWeights:
     """adapter_mode = "merge": the engine holds one version's weights at a time. Work on the version held
     runs together; work on another waits until none runs, then switches the weights (under the lock: nothing
     starts meanwhile). While a switch waits, new work on the held version waits too, so neither an
-    evaluation of an old version nor production of the new one can starve the other."""
+    evaluation of an old version nor production of the new one can starve the other.
+
+    `every_s` > 0 (the OpenAI-compatible endpoints: training first): work that would switch away from the
+    held weights does so at most once per every_s, counted from the last such switch; until then the held
+    version keeps the engine, and the work that waited for the other version runs together when it comes."""
 
     def __init__(self, switch):
         self._switch = switch  # async (adapter | None) -> None: write that version's weights
@@ -134,17 +139,25 @@ class _MergedWeights:
         self.version: int | None = 0  # held now; None: unknown (a switch was interrupted)
         self._users = 0
         self._switching = 0  # waiting to switch
+        self._rare_at = 0.0  # monotonic time before which an every_s switch waits
 
     @asynccontextmanager
-    async def of(self, adapter: Adapter | None):
+    async def of(self, adapter: Adapter | None, every_s: float = 0.0):
         want = adapter.version if adapter else 0
         async with self._cond:
             while True:
                 if self.version == want and self._switching == 0:
                     break  # join the work running on these weights
+                hold_off = self._rare_at - time.monotonic() if every_s and self.version != want else 0.0
+                if hold_off > 0:  # not yet: the held version keeps the engine; look again then
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._cond.wait(), hold_off)
+                    continue
                 if self._users == 0:  # nothing runs: switch now; the lock keeps new work out meanwhile
                     if self.version != want:
                         self.version = None  # unknown until the switch completes
+                        if every_s:
+                            self._rare_at = time.monotonic() + every_s
                         try:
                             await self._switch(adapter)
                         except BaseException:
@@ -170,8 +183,9 @@ class _MergedWeights:
 class VllmBackend:
     name = "vllm"
 
-    def __init__(self, engine, tokenizer, sleep_mode: bool, merge: bool = False):
+    def __init__(self, engine, tokenizer, sleep_mode: bool, merge: bool = False, eval_every_s: float = 0.0):
         self.engine = engine
+        self._eval_every_s = eval_every_s  # merge mode: OpenAI requests switch versions at most this often
         self.tokenizer = tokenizer
         self._sleep_mode = sleep_mode
         self._asleep = False  # engine asleep (level 1)
@@ -212,7 +226,13 @@ class VllmBackend:
             **({"gpu_memory_utilization": vc.gpu_memory_utilization} if cuda else {}),
         )
         engine = AsyncLLM.from_engine_args(args)
-        return cls(engine, engine.get_tokenizer(), sleep_mode=vc.enable_sleep_mode and cuda, merge=merge)
+        return cls(
+            engine,
+            engine.get_tokenizer(),
+            sleep_mode=vc.enable_sleep_mode and cuda,
+            merge=merge,
+            eval_every_s=vc.eval_switch_every_s,
+        )
 
     def _lora(self, adapter: Adapter | None):
         if adapter is None or self._merged is not None:
@@ -276,7 +296,7 @@ class VllmBackend:
         )
         # A prompt_logprobs request takes the scoring gate: it must not share a batch with sampling.
         gate = self._gate.scoring() if request.prompt_logprobs is not None else self._gate.generating()
-        async with self._weights(adapter), gate:
+        async with self._weights(adapter, self._eval_every_s), gate:
             first = True
             async for out in self.engine.generate(
                 TokensPrompt(prompt_token_ids=prompt),
@@ -327,9 +347,9 @@ class VllmBackend:
             await self.engine.wake_up(tags=["weights"])
             self._weights_awake = True
 
-    def _weights(self, adapter: Adapter | None):
+    def _weights(self, adapter: Adapter | None, every_s: float = 0.0):
         """Merge mode: the engine's weights held at `adapter`'s version for the work inside."""
-        return self._merged.of(adapter) if self._merged is not None else contextlib.nullcontext()
+        return self._merged.of(adapter, every_s) if self._merged is not None else contextlib.nullcontext()
 
     async def _switch_weights(self, adapter: Adapter | None) -> None:
         """Write `adapter` (None: the base model) into the engine's weights, then drop the prefix cache: its

@@ -97,8 +97,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="deploy/configs/cpu.toml")
     p.add_argument("--window", type=float, default=60.0, help="seconds measured per scenario")
-    p.add_argument("--clients", type=int, default=16, help="concurrent evaluation clients (more than the cap)")
-    p.add_argument("--max-sequences", type=int, default=None, help="server.openai_max_sequences (default: the config's)")
+    p.add_argument(
+        "--clients", type=int, default=16, help="concurrent evaluation clients (more than the cap)"
+    )
+    p.add_argument(
+        "--max-sequences", type=int, default=None, help="server.openai_max_sequences (default: the config's)"
+    )
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
 
@@ -123,8 +127,9 @@ def main() -> int:
             results.append(r)
             print(
                 f"  evaluating {r['evaluating']:>8}: production {r['groups_per_s'] * 60:6.1f} groups/min, "
-                f"{r['completion_tokens_per_s']:6.1f} tokens/s; evaluation {r['eval_requests_per_s'] * 60:6.1f} "
-                f"requests/min, {r['eval_tokens_per_s']:5.1f} tokens/s ({r['eval_errors']} errors)",
+                f"{r['completion_tokens_per_s']:6.1f} tokens/s; evaluation "
+                f"{r['eval_requests_per_s'] * 60:6.1f} requests/min, {r['eval_tokens_per_s']:5.1f} tokens/s "
+                f"({r['eval_errors']} errors)",
                 flush=True,
             )
         drainer.stop.set()

@@ -169,6 +169,12 @@ class VllmConfig(_Section):
         "served version is written into the engine's weights (W0 + alpha/r*B*A), decoding at the base "
         "model's speed; another version's request waits for the weights to be switched",
     )
+    eval_switch_every_s: float = Field(
+        default=10.0,
+        ge=0,
+        description="merge mode: OpenAI-compatible requests for another version than the served one switch "
+        "the engine's weights at most this often (training first); those waiting run together then",
+    )
 
 
 class ServerConfig(_Section):
@@ -227,6 +233,11 @@ class ServerConfig(_Section):
         "(faster generation, one model's memory per loaded version)",
     )
     seed: int = 0
+    shard_index: int = Field(default=0, ge=0, description="this server's share of the prompts: those whose "
+                             "index in the dataset is shard_index modulo num_shards")  # fmt: skip
+    num_shards: int = Field(
+        default=1, ge=1, description="rollout servers splitting the prompts (each a different shard_index)"
+    )
     vllm: VllmConfig = VllmConfig()
 
 
@@ -277,6 +288,16 @@ class DeepSpeedConfig(_Section):
 
 class LearnerConfig(_Section):
     server_url: str = "http://127.0.0.1:8000"
+    server_urls: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        description="several rollout servers (each with its own server.shard_index); replaces server_url. "
+        "The learner pulls from all, skips one that is down and brings it to the current version when it "
+        "is back; it stops only when none answers for server_retry_s",
+    )
+    server_probe_s: float = Field(
+        default=5.0, gt=0, description="with server_urls: how often a server that is down is tried again"
+    )
     api_token_env: str = Field(
         default=TOKEN_ENV, description="environment variable holding the server's token"
     )
@@ -359,6 +380,14 @@ class TandemConfig(_Section):
             raise ValueError(f"lora.r={self.lora.r} exceeds server.max_lora_rank={self.server.max_lora_rank}")
         if self.learner.placement == "split" and self.server.max_loras < self.learner.max_staleness + 1:
             raise ValueError("server.max_loras must be >= learner.max_staleness + 1 in split placement")
+        if self.server.shard_index >= self.server.num_shards:
+            raise ValueError(
+                f"server.shard_index={self.server.shard_index} must be below server.num_shards="
+                f"{self.server.num_shards} (shards count from 0)"
+            )
+        urls = self.learner.server_urls or []
+        if len(set(urls)) != len(urls):
+            raise ValueError("learner.server_urls lists a server twice")
         return self
 
     def dump(self) -> str:

@@ -8,6 +8,11 @@
 # that file (up to TANDEM_WAIT_S seconds), then connects. Both keep their state under $TANDEM_RUN_DIR,
 # so resubmitting either job resumes it. Multi-GPU learner: TANDEM_LAUNCHER="torchrun --nproc-per-node 4".
 #
+# Several servers: TANDEM_NUM_SERVERS=N for every job. Server k (TANDEM_SHARD, else SLURM_ARRAY_TASK_ID)
+# generates shard k of N of the prompts on port 8000+k (TANDEM_PORT overrides), keeps its state in
+# server-k/ and writes its URL to server_urls/k; the learner waits for all N and pulls from them all
+# (learner.server_urls). A server that dies is skipped until it is back at the same URL.
+#
 # GPUs: under SLURM each job gets what it asked for. On one machine without SLURM, unless
 # CUDA_VISIBLE_DEVICES is set, the server takes GPU 0 and the learner GPU 0 too in timeslice placement
 # (they share it: see learner.preflight) or GPU 1 in split placement; TANDEM_SERVER_GPUS /
@@ -20,6 +25,7 @@ shift 2
 run_dir=${TANDEM_RUN_DIR:?set TANDEM_RUN_DIR to a folder that both jobs can see}
 py=${TANDEM_PYTHON:-python}
 mkdir -p "$run_dir"
+num_servers=${TANDEM_NUM_SERVERS:-1}
 url_file="$run_dir/server_url"
 
 if [ -z "${SLURM_JOB_ID:-}" ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
@@ -37,10 +43,18 @@ fi
 case "$role" in
 server)
   host=${TANDEM_HOST:-$(hostname -f 2>/dev/null || hostname)}
-  port=${TANDEM_PORT:-8000}
+  state_dir="$run_dir/server"
+  shard_args=()
+  if [ "$num_servers" -gt 1 ]; then
+    shard=${TANDEM_SHARD:-${SLURM_ARRAY_TASK_ID:-0}}
+    mkdir -p "$run_dir/server_urls"
+    url_file="$run_dir/server_urls/$shard" state_dir="$run_dir/server-$shard"
+    shard_args=(--server.shard_index="$shard" --server.num_shards="$num_servers")
+  fi
+  port=${TANDEM_PORT:-$((8000 + ${shard:-0}))}
   rm -f "$url_file"
   "$py" -m rollout_server --config "$config" --server.host=0.0.0.0 --server.port="$port" \
-    --server.state_dir="$run_dir/server" "$@" &
+    --server.state_dir="$state_dir" "${shard_args[@]}" "$@" &
   pid=$!
   trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid"' TERM INT
   until "$py" -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=5)" 2>/dev/null; do
@@ -54,18 +68,31 @@ server)
 learner)
   waited=0
   limit=${TANDEM_WAIT_S:-1800}
-  until [ -s "$url_file" ]; do
-    if [ "$waited" -ge "$limit" ]; then
-      echo "run.sh: no $url_file after ${limit}s: is the server job running with the same TANDEM_RUN_DIR?" >&2
-      exit 1
-    fi
-    sleep 2
-    waited=$((waited + 2))
+  files=("$url_file")
+  if [ "$num_servers" -gt 1 ]; then
+    files=()
+    for ((k = 0; k < num_servers; k++)); do files+=("$run_dir/server_urls/$k"); done
+  fi
+  for f in "${files[@]}"; do
+    until [ -s "$f" ]; do
+      if [ "$waited" -ge "$limit" ]; then
+        echo "run.sh: no $f after ${limit}s: is the server job running with the same TANDEM_RUN_DIR?" >&2
+        exit 1
+      fi
+      sleep 2
+      waited=$((waited + 2))
+    done
   done
-  url=$(cat "$url_file")
-  echo "run.sh: learner connecting to $url"
+  if [ "$num_servers" -gt 1 ]; then
+    urls=$(for f in "${files[@]}"; do cat "$f"; done | "$py" -c 'import json, sys; print(json.dumps(sys.stdin.read().split()))')
+    server_arg=(--learner.server_urls="$urls")
+  else
+    urls=$(cat "$url_file")
+    server_arg=(--learner.server_url="$urls")
+  fi
+  echo "run.sh: learner connecting to $urls"
   # shellcheck disable=SC2086  # TANDEM_LAUNCHER is a command line, split on purpose
-  exec ${TANDEM_LAUNCHER:-"$py"} -m learner --config "$config" --learner.server_url="$url" \
+  exec ${TANDEM_LAUNCHER:-"$py"} -m learner --config "$config" "${server_arg[@]}" \
     --learner.out_dir="$run_dir/learner" --resume "$@"
   ;;
 *)

@@ -17,6 +17,7 @@ FILES = {
     "gpu": ["docker-compose.yml"],
     "split": ["docker-compose.yml", "deploy/compose.split.yml"],
     "cpu": ["deploy/compose.cpu.yml"],
+    "2servers": ["docker-compose.yml", "deploy/compose.split.yml", "deploy/compose.2servers.yml"],
 }
 COMPOSE = Path(sys.executable).parent / "docker-compose"
 
@@ -121,8 +122,32 @@ def test_the_commands_compose_runs_start_from_valid_configs(variant):
         "/runs"
     )
     assert (
-        learner["learner"]["placement"] == {"gpu": "timeslice", "split": "split", "cpu": "timeslice"}[variant]
+        learner["learner"]["placement"]
+        == {"gpu": "timeslice", "split": "split", "cpu": "timeslice", "2servers": "split"}[variant]
     )
+
+
+def test_two_servers_split_the_prompts_on_their_own_gpus_and_feed_the_learner():
+    services = load("2servers")["services"]
+    first, second, learner = (services[k] for k in ("rollout-server", "rollout-server-2", "learner"))
+    assert (_gpus(first), _gpus(second), _gpus(learner)) == (["0"], ["1"], ["2"])
+    assert {k: v["condition"] for k, v in learner["depends_on"].items()} == {
+        "rollout-server": "service_healthy", "rollout-server-2": "service_healthy"}  # fmt: skip
+    assert second["restart"] == "unless-stopped" and "/health" in " ".join(second["healthcheck"]["test"])
+    assert second["environment"]["TANDEM_API_TOKEN"] == "from-env"
+    assert [(p["host_ip"], p["published"]) for p in second["ports"]] == [("127.0.0.1", "8001")]
+    resolved = []
+    for name in ("rollout-server", "rollout-server-2", "learner"):
+        cmd = _local(services[name]["command"])
+        out = subprocess.run([*cmd, "--check-config"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert out.returncode == 0, out.stderr
+        resolved.append(json.loads(out.stdout))
+    assert [(r["server"]["shard_index"], r["server"]["num_shards"]) for r in resolved[:2]] == [(0, 2), (1, 2)]
+    assert resolved[0]["server"]["state_dir"] != resolved[1]["server"]["state_dir"]
+    assert resolved[2]["learner"]["server_urls"] == [
+        "http://rollout-server:8000",
+        "http://rollout-server-2:8000",
+    ]
 
 
 @pytest.mark.slow

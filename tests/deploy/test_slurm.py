@@ -1,6 +1,7 @@
 """The SLURM launch logic, on one machine: the server job publishes its URL in the run folder and the
 learner job finds it there."""
 
+import json
 import os
 import subprocess
 import sys
@@ -33,15 +34,11 @@ def test_learner_gives_up_clearly_without_a_server(tmp_path):
 
 
 @pytest.mark.slow
-def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path):
-    port = free_port()
-    env = proc_env(
-        TANDEM_RUN_DIR=str(tmp_path),
-        TANDEM_PORT=str(port),
-        TANDEM_HOST="127.0.0.1",
-        TANDEM_PYTHON=sys.executable,
-        OMP_NUM_THREADS="1",
-    )
+@pytest.mark.parametrize("servers", [1, 2])
+def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path, servers):
+    """N server jobs (TANDEM_NUM_SERVERS, each its shard: TANDEM_SHARD as a job array's task id would be)
+    and the learner job find each other through the run folder; every server gets the published v1."""
+    ports = [free_port() for _ in range(servers)]
     small = [
         "--sampling.group_size=2",
         "--sampling.max_new_tokens=8",
@@ -49,14 +46,25 @@ def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path):
         "--server.backend=hf",
         "--server.host=127.0.0.1",
     ]
-    server = subprocess.Popen(
-        ["deploy/slurm/run.sh", "server", "deploy/configs/cpu.toml", *small],
-        env=env,
-        cwd=REPO,
-        stdout=(tmp_path / "server.log").open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    started = []
+    for k, port in enumerate(ports):
+        env = proc_env(
+            TANDEM_RUN_DIR=str(tmp_path), TANDEM_PORT=str(port), TANDEM_HOST="127.0.0.1",
+            TANDEM_PYTHON=sys.executable, OMP_NUM_THREADS="1", TANDEM_NUM_SERVERS=str(servers),
+            TANDEM_SHARD=str(k),
+        )  # fmt: skip
+        started.append(
+            subprocess.Popen(
+                ["deploy/slurm/run.sh", "server", "deploy/configs/cpu.toml", *small],
+                env=env,
+                cwd=REPO,
+                stdout=(tmp_path / f"server{k}.log").open("wb"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    env = proc_env(TANDEM_RUN_DIR=str(tmp_path), TANDEM_PYTHON=sys.executable, OMP_NUM_THREADS="1",
+                   TANDEM_NUM_SERVERS=str(servers))  # fmt: skip
     try:
         learner = subprocess.run(
             [
@@ -77,13 +85,22 @@ def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path):
             timeout=900,
         )
         assert learner.returncode == 0, learner.stdout[-3000:] + learner.stderr[-3000:]
-        assert (tmp_path / "server_url").read_text().strip() == f"http://127.0.0.1:{port}"
-        assert f"learner connecting to http://127.0.0.1:{port}" in learner.stdout
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
         assert (tmp_path / "learner" / "adapters" / "v1" / "adapter_model.safetensors").is_file()
-        assert (Path(tmp_path) / "server" / "adapters" / "v1").is_dir()  # published to the server
+        if servers == 1:
+            assert (tmp_path / "server_url").read_text().strip() == urls[0]
+            assert f"learner connecting to {urls[0]}" in learner.stdout
+            assert (Path(tmp_path) / "server" / "adapters" / "v1").is_dir()  # published to the server
+        else:
+            assert [(tmp_path / "server_urls" / str(k)).read_text().strip() for k in range(servers)] == urls
+            assert f"learner connecting to {json.dumps(urls)}" in learner.stdout
+            for k in range(servers):  # each its own state and shard, and each got v1
+                assert (tmp_path / f"server-{k}" / "adapters" / "v1").is_dir()
+                assert f"shard {k} of {servers}" in (tmp_path / f"server{k}.log").read_text()
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=60)
+        for server in started:
+            os.killpg(server.pid, 15)
+            server.wait(timeout=60)
 
 
 @pytest.mark.parametrize(

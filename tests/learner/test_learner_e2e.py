@@ -138,6 +138,39 @@ def test_two_processes_reproduce_one_on_the_same_groups(three_steps, tmp_path):
         assert abs(part - one_s[0] / 2) <= 0.01 * one_s[0], (part, one_s)
 
 
+def test_two_nodes_joined_by_a_rendezvous_reproduce_one_process(three_steps, tmp_path):
+    """A learner across two "nodes": two torchrun launches (--nnodes 2, one process each) that find each
+    other through a c10d rendezvous endpoint, as on a cluster, train the same step as one process."""
+    out, two, port = three_steps[0], tmp_path / "nodes", free_port()
+    args = ["--learner.steps=1", f"--learner.replay_file={out / 'groups.jsonl'}", "--learner.grad_accum=1"]
+    nodes = [
+        learner(
+            "http://127.0.0.1:1",
+            two,
+            args,
+            tmp_path / f"node{n}.log",
+            launcher=[
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=two-nodes",
+                "--max-restarts=0",
+            ],
+        )  # fmt: skip
+        for n in range(2)
+    ]
+    for node in nodes:
+        assert node.wait(timeout=600) == 0, node.log()[-5000:]
+    a, b = _lora(out / "adapters" / "v1"), _lora(two / "adapters" / "v1")
+    assert a.keys() == b.keys()
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < ADAPTER_TOLERANCE
+    sizes = json.loads((two / "run_summary.json").read_text())["optimizer_state_numel_per_rank"]
+    assert len(sizes) == 2  # two ranks, one per node
+
+
 def test_shared_prompt_gives_the_plain_gradients_at_two_processes(three_steps, tmp_path):
     """learner.shared_prompt at world size 2 under ZeRO-2 against the plain path, on the same groups. Plain
     SGD (no clipping) makes the adapters show the gradients: B starts at 0, so v1's B = -lr·g1(B); A has

