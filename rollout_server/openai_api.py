@@ -13,14 +13,19 @@
 Priority (decided): training traffic first. Evaluation runs at most `server.openai_max_sequences`
 sequences in the engine at once (one per choice; more wait their turn), so production keeps the rest of
 the engine's batch; production still pauses when its queue is full, and then evaluation has the engine
-to itself. While the server is asleep (time-sliced placement: the learner is training) a request waits up
-to `server.openai_wait_s` for the wake, then gets 503 with Retry-After; a request the sleep cut short
-before its first token is run again after the wake.
+to itself. With vLLM's merge mode (one version's weights at a time), requests for another version than
+the served one switch the weights at most once per `server.vllm.eval_switch_every_s`, and all of them
+that wait run together then (no slot cap: production could not use the engine meanwhile).
+
+While the server is asleep (time-sliced placement: the learner is training) a request waits up to
+`server.openai_wait_s` for the wake, then gets 503 with Retry-After; a request the sleep cut short before
+its first token is run again after the wake.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -360,13 +365,23 @@ async def _until_awake(s, deadline: float) -> None:
         raise err from None
 
 
+def _slot(s, adapter):
+    """An evaluation slot, unless the engine holds one version's weights (vLLM merge mode) and this is
+    another version: such requests run while production waits for the weights anyway, so as many as
+    wait run together (server.vllm.eval_switch_every_s bounds how often that happens)."""
+    version = adapter.version if adapter else 0
+    if getattr(s.backend, "one_version", False) and version != s.policy.version:
+        return contextlib.nullcontext()
+    return s.evaluation.slots
+
+
 async def _sequence(s, prompt: list[int], request: TextRequest, adapter) -> AsyncIterator[Piece]:
     """One choice, taking an evaluation slot; run again after the wake if a sleep cut it short before
     its first token (a sleep aborts the engine's requests), at most RETRIES times."""
     for attempt in range(RETRIES + 1):
         await _until_awake(s, time.monotonic() + s.cfg.server.openai_wait_s)
         started = False
-        async with s.evaluation.slots:
+        async with _slot(s, adapter):
             try:
                 async for piece in s.backend.stream(prompt, request, adapter):
                     started = True

@@ -9,6 +9,7 @@ import logging
 import os
 import time
 import uuid
+from collections import Counter
 from contextlib import asynccontextmanager
 
 from rollout_server.backend import (
@@ -125,52 +126,63 @@ class _ScoringGate:
 
 class _MergedWeights:
     """adapter_mode = "merge": the engine holds one version's weights at a time. Work on the version held
-    runs together; work on another waits until none runs, then switches the weights (under the lock: nothing
-    starts meanwhile). While a switch waits, new work on the held version waits too, so neither an
-    evaluation of an old version nor production of the new one can starve the other.
+    joins the work running on it, unless work for another version waits: then it waits too, the weights
+    are switched once nothing runs (under the lock: nothing starts meanwhile), and all the work that was
+    waiting for the new version starts together. So neither an evaluation of an old version nor production
+    of the new one can starve the other, and the requests for one version share a batch.
 
     `every_s` > 0 (the OpenAI-compatible endpoints: training first): work that would switch away from the
-    held weights does so at most once per every_s, counted from the last such switch; until then the held
-    version keeps the engine, and the work that waited for the other version runs together when it comes."""
+    held weights does so at most once per every_s, counted from the last such switch; until then it does
+    not count as waiting, and the held version keeps the engine."""
 
     def __init__(self, switch):
         self._switch = switch  # async (adapter | None) -> None: write that version's weights
         self._cond = asyncio.Condition()
         self.version: int | None = 0  # held now; None: unknown (a switch was interrupted)
         self._users = 0
-        self._switching = 0  # waiting to switch
+        self._waiting: Counter[int] = Counter()  # by the version they want
+        self._admit: Counter[int] = Counter()  # after a switch: the waiters for it that may still join
         self._rare_at = 0.0  # monotonic time before which an every_s switch waits
 
     @asynccontextmanager
     async def of(self, adapter: Adapter | None, every_s: float = 0.0):
         want = adapter.version if adapter else 0
         async with self._cond:
-            while True:
-                if self.version == want and self._switching == 0:
-                    break  # join the work running on these weights
-                hold_off = self._rare_at - time.monotonic() if every_s and self.version != want else 0.0
-                if hold_off > 0:  # not yet: the held version keeps the engine; look again then
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._cond.wait(), hold_off)
-                    continue
-                if self._users == 0:  # nothing runs: switch now; the lock keeps new work out meanwhile
-                    if self.version != want:
-                        self.version = None  # unknown until the switch completes
-                        if every_s:
-                            self._rare_at = time.monotonic() + every_s
-                        try:
-                            await self._switch(adapter)
-                        except BaseException:
-                            self._cond.notify_all()  # the next one tries again
-                            raise
-                        self.version = want
-                    break
-                pending = self.version != want
-                self._switching += pending
-                try:
+            counted = False
+            try:
+                while True:
+                    others = sum(n for v, n in self._waiting.items() if v != want)
+                    if self.version == want and (others == 0 or self._admit[want] > 0):
+                        self._admit[want] -= others > 0
+                        break  # join the work on these weights
+                    hold_off = self._rare_at - time.monotonic() if every_s and self.version != want else 0.0
+                    if hold_off > 0:  # not yet: the held version keeps the engine; look again then
+                        self._waiting[want] -= counted
+                        counted = False
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._cond.wait(), hold_off)
+                        continue
+                    if not counted:
+                        self._waiting[want] += 1
+                        counted = True
+                    if self._users == 0:
+                        if self.version != want:  # nothing runs: switch; the lock keeps new work out
+                            self.version = None  # unknown until the switch completes
+                            if every_s:
+                                self._rare_at = time.monotonic() + every_s
+                            try:
+                                await self._switch(adapter)
+                            except BaseException:
+                                self._cond.notify_all()  # the next one tries again
+                                raise
+                            self.version = want
+                            self._admit = Counter({want: self._waiting[want] - 1})  # the others waiting
+                            self._cond.notify_all()
+                            break
+                        self._cond.notify_all()  # held, but others wait: let them switch first
                     await self._cond.wait()
-                finally:
-                    self._switching -= pending
+            finally:
+                self._waiting[want] -= counted
             self._users += 1
         try:
             yield
@@ -185,6 +197,7 @@ class VllmBackend:
 
     def __init__(self, engine, tokenizer, sleep_mode: bool, merge: bool = False, eval_every_s: float = 0.0):
         self.engine = engine
+        self.one_version = merge  # the engine holds one version's weights: others run when it is switched
         self._eval_every_s = eval_every_s  # merge mode: OpenAI requests switch versions at most this often
         self.tokenizer = tokenizer
         self._sleep_mode = sleep_mode

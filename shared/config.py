@@ -170,7 +170,7 @@ class VllmConfig(_Section):
         "model's speed; another version's request waits for the weights to be switched",
     )
     eval_switch_every_s: float = Field(
-        default=10.0,
+        default=30.0,
         ge=0,
         description="merge mode: OpenAI-compatible requests for another version than the served one switch "
         "the engine's weights at most this often (training first); those waiting run together then",

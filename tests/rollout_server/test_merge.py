@@ -158,3 +158,40 @@ def test_evaluation_switches_away_from_the_held_version_at_most_once_per_interva
         assert sorted(e.log[i + 3 :]) == ["end e2@0", "end e3@0", "start e2@0", "start e3@0"]
 
     asyncio.run(scenario())
+
+
+def test_busy_production_and_rate_limited_evaluation_both_progress_in_batches():
+    """Production asks for the served version again the moment its batch ends (as the producer does), and
+    four evaluation clients loop on another version with every_s: each evaluation switch runs all four
+    together, and production keeps the engine in between. (Production used to win every race for the
+    engine: the evaluations waited until it stopped.)"""
+
+    async def scenario():
+        switches, counts, batch = [], {"prod": 0, "eval": 0}, []
+
+        async def switch(adapter):
+            await asyncio.sleep(0.005)
+            switches.append(adapter.version if adapter else 0)
+
+        mw = _MergedWeights(switch)
+        stop = time.monotonic() + 1.2
+
+        async def production():
+            while time.monotonic() < stop:
+                async with mw.of(Adapter(1, "p")):
+                    await asyncio.sleep(0.05)
+                counts["prod"] += 1
+
+        async def evaluation():
+            while time.monotonic() < stop:
+                async with mw.of(None, every_s=0.3):
+                    batch.append(mw._users)
+                    await asyncio.sleep(0.02)
+                counts["eval"] += 1
+
+        await asyncio.gather(production(), *(evaluation() for _ in range(4)))
+        assert switches.count(0) >= 3 and counts["eval"] >= 12  # a switch per 0.3 s, four at a time
+        assert max(batch) == 4
+        assert counts["prod"] >= 15  # of ~22 batches in 1.2 s with no evaluation
+
+    asyncio.run(scenario())

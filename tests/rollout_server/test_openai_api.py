@@ -236,3 +236,17 @@ def test_evaluation_runs_at_most_openai_max_sequences_at_once(tmp_path):
     with TestClient(fake_app(tmp_path / "b", backend, openai_max_sequences=8)) as c:
         _sdk(c).completions.create(model="base", prompt="hi", n=6, max_tokens=5)
         assert backend.peak_streaming == 6
+
+
+def test_an_engine_holding_one_version_runs_all_requests_for_another_version_together(tmp_path):
+    """vLLM merge mode: production cannot use the engine while it holds another version's weights, so
+    evaluation of that version is not held to openai_max_sequences (the switches are rate-limited)."""
+    backend = FakeBackend(delay_s=0.01)
+    backend.one_version = True
+    with TestClient(fake_app(tmp_path, backend, openai_max_sequences=2)) as c:
+        assert _publish(c, 1, tiny_adapter(tmp_path / "a1")).status_code == 200
+        _sdk(c).completions.create(model="base", prompt="hi", n=6, max_tokens=5)
+        assert backend.peak_streaming == 6
+        backend.peak_streaming = 0
+        _sdk(c).completions.create(model="latest", prompt="hi", n=6, max_tokens=5)  # the served version
+        assert backend.peak_streaming == 2
