@@ -40,7 +40,7 @@ from rollout_server.backend import GenerationAborted, RolloutBackend
 from rollout_server.events import EventLog
 from rollout_server.guard import RequestGuard
 from rollout_server.metrics import ServerMetrics
-from rollout_server.openai_api import Evaluation, OpenAIError
+from rollout_server.openai_api import Evaluation, OpenAIError, bounded
 from rollout_server.policy import Policy
 from rollout_server.producer import Producer, StateError, load_cursor
 from rollout_server.queue import LeaseError, LeaseQueue
@@ -397,26 +397,6 @@ async def _generate_in_chunks(backend, prompts, n, temperature, max_tokens, adap
             for j, samples in enumerate(out):
                 rows[i + j].extend(samples)
     return rows
-
-
-async def bounded(s: Server, work, timeout_s: float):
-    """Run an evaluation request's work as a task SIGTERM can cancel, for at most timeout_s."""
-    task = asyncio.ensure_future(work)
-    s.evaluations.add(task)
-    try:
-        return await asyncio.wait_for(task, timeout_s)
-    except TimeoutError:
-        raise HTTPException(
-            504,
-            f"generation ran past server.generate_timeout_s={timeout_s:g}; ask for fewer prompts, a "
-            "smaller n or max_tokens",
-        ) from None
-    except asyncio.CancelledError:
-        if s.shutting_down:
-            raise HTTPException(503, "the server is shutting down") from None
-        raise
-    finally:
-        s.evaluations.discard(task)
 
 
 async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:

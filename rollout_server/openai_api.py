@@ -33,7 +33,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -423,6 +423,27 @@ async def _merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[in
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def bounded(s, work, timeout_s: float):
+    """Run an evaluation request's work (here or /v1/generate's) as a task SIGTERM can cancel, for at most
+    timeout_s: 504 past it, 503 when the server is shutting down."""
+    task = asyncio.ensure_future(work)
+    s.evaluations.add(task)
+    try:
+        return await asyncio.wait_for(task, timeout_s)
+    except TimeoutError:
+        raise HTTPException(
+            504,
+            f"generation ran past server.generate_timeout_s={timeout_s:g}; ask for fewer prompts, a "
+            "smaller n or max_tokens",
+        ) from None
+    except asyncio.CancelledError:
+        if s.shutting_down:
+            raise HTTPException(503, "the server is shutting down") from None
+        raise
+    finally:
+        s.evaluations.discard(task)
+
+
 class _Choice:
     """A choice's pieces put together."""
 
@@ -497,8 +518,6 @@ async def _collect(s, streams: list[AsyncIterator[Piece]]) -> list[_Choice]:
     async def run():
         async for i, piece in _merged(streams):
             choices[i].add(piece)
-
-    from rollout_server.app import bounded  # the /v1/generate bound: 504 past it, 503 on SIGTERM
 
     await bounded(s, run(), s.cfg.server.generate_timeout_s)
     return choices
