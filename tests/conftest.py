@@ -24,3 +24,12 @@ def model_dir() -> str:
     from shared.models import resolve_model
 
     return resolve_model("smollm2-135m")
+
+
+@pytest.fixture
+def procs():
+    """Processes a test starts (shared.procs.Proc): each stopped when the test ends, however it ends."""
+    started = []
+    yield started
+    for p in started:
+        p.stop()

@@ -57,14 +57,6 @@ LEARNER = [
 ]
 
 
-@pytest.fixture
-def procs():
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        p.stop()
-
-
 def _learner(url: str, out: Path, log: Path, *extra: str, crash_at: str | None = None) -> Proc:
     env = {"TANDEM_CRASH_AT": crash_at} if crash_at else {}
     return start_learner(url, out, log, [*SERVER, *LEARNER, *extra], **env)

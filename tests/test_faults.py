@@ -40,14 +40,6 @@ def _learner(url: str, out: Path, extra: list[str], log: Path) -> Proc:
     return start_learner(url, out, log, [*SERVER, *LEARNER, *extra])
 
 
-@pytest.fixture
-def procs():
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        p.stop()
-
-
 def _restart_server(tmp: Path, port: int, log_name: str) -> Proc:
     """The same port and state_dir as the killed one: what a supervisor (compose, SLURM) would do."""
     return Proc(server_args("deploy/configs/cpu.toml", port, tmp / "server", SERVER), tmp / log_name)

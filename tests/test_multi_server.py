@@ -41,14 +41,6 @@ LEARNER = [
 ]
 
 
-@pytest.fixture
-def procs():
-    started: list[Proc] = []
-    yield started
-    for p in started:
-        p.stop()
-
-
 def _server(tmp: Path, shard: int, port: int, backend: str, log: str) -> Proc:
     args = server_args("deploy/configs/cpu.toml", port, tmp / f"server{shard}", SERVER)
     return Proc(
