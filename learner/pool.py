@@ -126,12 +126,12 @@ class ServerPool:
                 m.next_probe = 0.0
             delay = min(delay * 2, 30.0)
 
-    def _everywhere(self, fn) -> list:
-        """fn(client) on every server up, in parallel; the answers of those that answered."""
+    def _everywhere(self, fn, needs=lambda m: True) -> list:
+        """fn(client) on every server up that `needs` it, in parallel; the answers of those that answered."""
         members = self.live()
-        answers = list(self._threads.map(lambda m: (m, self._call(m, fn)), members))
-        if all(a is None for _, a in answers):
-            return self._everywhere(fn)  # every one failed meanwhile: wait for one (or give up) in live()
+        answers = list(self._threads.map(lambda m: (m, self._call(m, fn)), [m for m in members if needs(m)]))
+        if answers and all(a is None for _, a in answers):
+            return self._everywhere(fn, needs)  # all failed meanwhile: wait for one (or give up) in live()
         return answers
 
     # -- the loop's interface ------------------------------------------------------------------------
@@ -198,7 +198,17 @@ class ServerPool:
 
     def publish(self, version: int, folder: str | Path) -> P.AdapterPublished:
         self._published = (version, Path(folder))
-        for m, answer in self._everywhere(lambda c: c.publish(version, folder)):
+
+        def send(c: RolloutClient):
+            try:
+                return c.publish(version, folder)
+            except ServerError as e:  # already there (a catch-up got in first): that is the goal
+                if e.status == 409 and c.health().policy_version >= version:
+                    return P.AdapterPublished(version=version, name=P.adapter_name(version))
+                raise
+
+        # live() may bring a server that is back to this very version first: it needs no second copy
+        for m, answer in self._everywhere(send, needs=lambda m: m.version < version):
             if answer is not None:
                 m.version = version
         return P.AdapterPublished(version=version, name=P.adapter_name(version))

@@ -477,6 +477,18 @@ def _write_summary(run: _Run, state: ckpt.State, digest_start: str | None) -> No
         (run.out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
+def pin_threads(n: int | None, log) -> None:
+    """learner.threads: compute on n threads, pinned to the last n cores this process may use (a server
+    on the same machine takes the first ones, server.vllm.cpu_threads)."""
+    if n is None:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[-n:]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    log(f"computing on {len(mine)} thread(s), cores {','.join(map(str, mine))} (learner.threads)")
+
+
 def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     rank, world, on_cpu = init_distributed()
     check_batch_size(cfg, world)
@@ -485,6 +497,8 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     log = (lambda *a: print("[learner]", *a, flush=True)) if lead else (lambda *a: None)
     stop = _Stop()
     torch.manual_seed(cfg.learner.seed)  # the same LoRA init on every rank
+    if on_cpu:
+        pin_threads(cfg.learner.threads, log)
 
     replay = cfg.learner.replay_file
     shares_gpu = cfg.learner.placement == "timeslice" and not on_cpu

@@ -58,7 +58,7 @@ def run_tandem(args, work: Path) -> list[tuple[float, float]]:
     token = secrets.token_hex(8)
     env = tandem_env(token)
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    cli = [f"--{o}" for o in extra]
+    cli = [f"--{o}" for o in extra] + [f"--{o.removeprefix('--')}" for o in args.tandem]
     server, _ = start_server(args.config, cli, port, work / "server.log", env)
     try:
         print(f"[tandem] {args.steps} steps ...", flush=True)
@@ -180,12 +180,21 @@ def main() -> int:
         "the same length distribution every step (at the config's 7e-4, one side learnt to answer "
         "shorter within 3 steps and the step times no longer compared the same work)",
     )
+    p.add_argument(
+        "--tandem",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a config override for tandem's two processes only (repeatable), e.g. --tandem "
+        "learner.placement=split",
+    )
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is a warm-up)")
     try:  # both sides read this config; say what is wrong before starting anything
         cfg = load_config(args.config, overrides(args))
+        load_config(args.config, overrides(args) + [o.removeprefix("--") for o in args.tandem])
     except ConfigError as e:
         p.error(str(e))
     try:

@@ -345,6 +345,13 @@ class LearnerConfig(_Section):
         description="once connected, keep retrying an unreachable server (backoff up to 30 s) this long "
         "before giving up; covers a server restart (its engine start included)",
     )
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU only: cores each learner process computes on (torch threads), pinned to the last "
+        "N it may use, so that a server on the same machine with server.vllm.cpu_threads (the first N) "
+        "does not fight it for cores in split placement. Default: torch's own choice (OMP_NUM_THREADS)",
+    )
     replay_file: str | None = Field(
         default=None,
         description="train on the groups recorded in a previous run's groups.jsonl instead of a server "

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from learner.client import Interrupted, ServerUnavailable
+from learner.client import Interrupted, ServerError, ServerUnavailable
 from learner.pool import ServerPool
 from shared import protocol as P
 from tests.learner.test_collect import _group
@@ -59,6 +59,8 @@ class FakeServer:
 
     def publish(self, version, folder):
         self._check("publish")
+        if version <= self.version:  # as the real server: versions only move forward
+            raise ServerError(f"adapter version {version} is not newer than the served version", 409)
         self.published.append(version)
         self.version = version
         return P.AdapterPublished(version=version, name=P.adapter_name(version))
@@ -159,3 +161,16 @@ def test_start_needs_one_server_and_a_server_with_another_group_size_is_refused(
     b.wait_ready = lambda timeout_s, log=print: b.health()
     with pytest.raises(Exception, match="group_size=8"):
         pool.pull(1, wait_s=0.1)
+
+
+def test_a_server_back_during_a_publish_gets_that_version_once():
+    """The publish itself finds the server back and catches it up to the version being published: the
+    publish does not send it again (the server would refuse a version it already serves)."""
+    a, b = FakeServer("a", groups=2), FakeServer("b", groups=2)
+    pool, logs = _pool(a, b)
+    b.down = True
+    pool.publish(1, "/tmp/v1")
+    b.down = False
+    pool.publish(2, "/tmp/v2")
+    assert a.published == [1, 2] and b.published == [2]
+    assert any("brought from v0 to v2" in line for line in logs)
