@@ -70,9 +70,8 @@ class ServerPool:
 
     def _catch_up(self, m: Member) -> None:
         """A server that answers again: check it, deliver what it missed, then count it up."""
-        health = m.client.wait_ready(
-            0.0, log=lambda *a: None
-        )  # raises ServerUnavailable if it does not answer
+        # one try, no waiting: ServerUnavailable if it does not answer (yet)
+        health = m.client.wait_ready(0.0, log=lambda *a: None)
         if self.group_size is not None and health.group_size != self.group_size:
             raise ServerError(
                 f"server {m.index} ({m.client.url}) samples group_size={health.group_size}, the others "

@@ -40,7 +40,7 @@ from rollout_server.backend import GenerationAborted, RolloutBackend
 from rollout_server.events import EventLog
 from rollout_server.guard import RequestGuard
 from rollout_server.metrics import ServerMetrics
-from rollout_server.openai_api import Evaluation, OpenAIError, bounded
+from rollout_server.openai_api import OpenAIError, OpenAIState, bounded
 from rollout_server.policy import Policy
 from rollout_server.producer import Producer, StateError, load_cursor
 from rollout_server.queue import LeaseError, LeaseQueue
@@ -90,7 +90,7 @@ class Server:
         )
         self.failure: str | None = None  # set when the producer dies: /health turns 503
         self.evaluations: set[asyncio.Task] = set()  # /v1/generate work in flight
-        self.evaluation = Evaluation(cfg.server.openai_max_sequences)  # the OpenAI endpoints' slots
+        self.openai = OpenAIState(cfg.server.openai_max_sequences)  # the OpenAI endpoints' slots
         self.shutting_down = False
 
     def prompt_ids(self, prompt: str) -> list[int]:

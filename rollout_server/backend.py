@@ -74,6 +74,9 @@ class GenerationAborted(RuntimeError):
 class RolloutBackend(Protocol):
     name: str
     tokenizer: Any
+    # True when the engine holds one version's weights at a time (vLLM merge mode): work for another
+    # version runs only once the weights are switched, never beside production
+    one_version: bool
 
     async def generate(
         self,

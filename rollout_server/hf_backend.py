@@ -42,6 +42,7 @@ class HFBackend:
     base model's speed; ~20 % more tokens/s on a 2-core CPU with SmolLM2, logprobs equal to 1e-5)."""
 
     name = "hf"
+    one_version = False  # every loaded version answers at once (a peft adapter or a merged copy each)
 
     def __init__(self, model, tokenizer, device: str, merge: bool = False):
         self.model = model  # the base model, or a PeftModel once an adapter is loaded (merge=False)
@@ -67,6 +68,12 @@ class HFBackend:
 
         model, tok = await asyncio.to_thread(load)
         return cls(model, tok, device, merge=cfg.server.hf_merge_adapters)
+
+    @property
+    def _pad_id(self) -> int:
+        """The padding token, the EOS token for tokenizers without one."""
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.tokenizer.eos_token_id
 
     async def _run(self, fn, *args):
         def locked():
@@ -94,8 +101,7 @@ class HFBackend:
     def _generate(self, prompts, n, temperature, max_tokens, adapter, cancelled: threading.Event, logprobs):
         if cancelled.is_set():  # cancelled while this thread waited for the lock: nobody wants the result
             return []
-        eos = self.tokenizer.eos_token_id
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        eos, pad = self.tokenizer.eos_token_id, self._pad_id
         width = max(len(p) for p in prompts)
         rows = [p for p in prompts for _ in range(n)]  # [len(prompts) * n]
         input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=self.device)
@@ -160,7 +166,7 @@ class HFBackend:
                 top_p=request.top_p if sample else None,
                 top_k=0 if sample else None,
                 max_new_tokens=request.max_tokens,
-                pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos,
+                pad_token_id=self._pad_id,
                 eos_token_id=eos,
                 stopping_criteria=_until(cancelled),
                 output_logits=request.logprobs is not None,

@@ -313,8 +313,9 @@ ERRORS = {
 
 
 # -- the work ------------------------------------------------------------------------------------------
-class Evaluation:
-    """What the endpoints share: the sequence slots and a cache of token texts."""
+class OpenAIState:
+    """What the endpoints share: the sequence slots and a cache of token texts. (Server.evaluations is
+    another thing: the tasks in flight that SIGTERM cancels.)"""
 
     def __init__(self, max_sequences: int):
         self.slots = asyncio.Semaphore(max_sequences)
@@ -350,11 +351,12 @@ def _resolve(s, model: str) -> tuple[Adapter | None, str]:
     )
 
 
-async def _until_awake(s, deadline: float) -> None:
+async def _until_awake(s) -> None:
+    """Return once the server is awake; 503 with Retry-After after server.openai_wait_s asleep."""
     if not s.producer.sleeping:
         return
     try:
-        await asyncio.wait_for(s.producer.until_awake(), max(0.0, deadline - time.monotonic()))
+        await asyncio.wait_for(s.producer.until_awake(), s.cfg.server.openai_wait_s)
     except TimeoutError:
         err = OpenAIError(
             503,
@@ -370,16 +372,16 @@ def _slot(s, adapter):
     another version: such requests run while production waits for the weights anyway, so as many as
     wait run together (server.vllm.eval_switch_every_s bounds how often that happens)."""
     version = adapter.version if adapter else 0
-    if getattr(s.backend, "one_version", False) and version != s.policy.version:
+    if s.backend.one_version and version != s.policy.version:
         return contextlib.nullcontext()
-    return s.evaluation.slots
+    return s.openai.slots
 
 
 async def _sequence(s, prompt: list[int], request: TextRequest, adapter) -> AsyncIterator[Piece]:
     """One choice, taking an evaluation slot; run again after the wake if a sleep cut it short before
     its first token (a sleep aborts the engine's requests), at most RETRIES times."""
     for attempt in range(RETRIES + 1):
-        await _until_awake(s, time.monotonic() + s.cfg.server.openai_wait_s)
+        await _until_awake(s)
         started = False
         async with _slot(s, adapter):
             try:
@@ -494,13 +496,11 @@ def _usage(prompts: list[list[int]], choices) -> Usage:
 
 
 def _sse(payload: BaseModel | dict) -> str:
-    body = (
-        payload.model_dump_json(exclude_none=False) if isinstance(payload, BaseModel) else json.dumps(payload)
-    )
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {body}\n\n"
 
 
-async def _stream_events(s, events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _stream_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """Server-sent events ending with `data: [DONE]`; a failure after the start is an error event."""
     try:
         async for event in events:
@@ -560,11 +560,11 @@ def _prompts(s, prompt) -> list[list[int]]:
     return [list(tok.encode(x)) if isinstance(x, str) else list(x) for x in prompt]
 
 
-def _completion_logprobs(s, tokens: list[int], entries: list[TokenLogprob | None], start: int):
-    text = s.evaluation.token_text
+def _completion_logprobs(s, tokens: list[int], entries: list[TokenLogprob | None]):
+    text = s.openai.token_text
     tok = s.backend.tokenizer
     strings = [text(tok, t) for t in tokens]
-    offsets, at = [], start
+    offsets, at = [], 0
     for x in strings:
         offsets.append(at)
         at += len(x)
@@ -587,13 +587,13 @@ class _CompletionPlan:
         self.adapter, self.model = _resolve(s, req.model)
         self.prompts = _prompts(s, req.prompt)
         for i, p in enumerate(self.prompts):
-            _check_length(s, p, req.max_tokens or 0, f"prompt[{i}]" if len(self.prompts) > 1 else "prompt")
+            _check_length(s, p, req.max_tokens, f"prompt[{i}]" if len(self.prompts) > 1 else "prompt")
         _check_sequences(s, len(self.prompts) * req.n)
         if req.max_tokens == 0 and not req.echo:
             raise OpenAIError(400, "max_tokens = 0 asks for nothing unless echo = true", "max_tokens")
         self.want_logprobs = req.logprobs is not None
         self.request = req.text_request(
-            req.max_tokens or 0, req.logprobs, req.logprobs if req.echo and self.want_logprobs else None
+            req.max_tokens, req.logprobs, req.logprobs if req.echo and self.want_logprobs else None
         )
         self.req, self.s = req, s
         self.prompt_texts = [s.backend.tokenizer.decode(p) for p in self.prompts] if req.echo else None
@@ -615,7 +615,7 @@ class _CompletionPlan:
             if self.want_logprobs:
                 tokens = self.prompts[p] + tokens
                 entries = list(choice.prompt_logprobs or [None] * len(self.prompts[p])) + entries
-        logprobs = _completion_logprobs(self.s, tokens, entries, 0) if self.want_logprobs else None
+        logprobs = _completion_logprobs(self.s, tokens, entries) if self.want_logprobs else None
         return CompletionChoice(
             index=index,
             text=prefix + choice.text,
@@ -634,7 +634,7 @@ async def completions(req: CompletionRequest, s=Depends(_srv)):
             for c in choices:
                 c.finish_reason = "length"
         else:
-            await _until_awake(s, time.monotonic() + s.cfg.server.openai_wait_s)
+            await _until_awake(s)
             choices = await _collect(s, plan.streams())
         return Completion(
             id=cid,
@@ -643,7 +643,7 @@ async def completions(req: CompletionRequest, s=Depends(_srv)):
             choices=[plan.render(i, c, True, True) for i, c in enumerate(choices)],
             usage=_usage(plan.prompts, choices),
         )
-    await _until_awake(s, time.monotonic() + s.cfg.server.openai_wait_s)
+    await _until_awake(s)
 
     async def events():
         totals = [_Choice() for _ in range(len(plan.prompts) * req.n)]
@@ -659,7 +659,7 @@ async def completions(req: CompletionRequest, s=Depends(_srv)):
             usage = _usage(plan.prompts, totals)
             yield _sse(Completion(id=cid, created=created, model=plan.model, choices=[], usage=usage))
 
-    return StreamingResponse(_stream_events(s, events()), media_type="text/event-stream")
+    return StreamingResponse(_stream_events(events()), media_type="text/event-stream")
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------------
@@ -676,13 +676,13 @@ async def chat_completions(req: ChatRequest, s=Depends(_srv)):
     top = req.top_logprobs or 0
     request = req.text_request(max_tokens, top if req.logprobs else None)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    await _until_awake(s, time.monotonic() + s.cfg.server.openai_wait_s)
+    await _until_awake(s)
     streams = [_sequence(s, prompt, request, adapter) for _ in range(req.n)]
 
     def logprobs_of(choice: _Choice) -> ChatLogprobs | None:
         if not req.logprobs:
             return None
-        tok, text = s.backend.tokenizer, s.evaluation.token_text
+        tok, text = s.backend.tokenizer, s.openai.token_text
 
         def entry(t: int, lp: float) -> dict:
             x = text(tok, t)
@@ -744,4 +744,4 @@ async def chat_completions(req: ChatRequest, s=Depends(_srv)):
         if req.stream_options and req.stream_options.include_usage:
             yield _sse(chunk(-1, {}, usage=_usage([prompt], totals)))
 
-    return StreamingResponse(_stream_events(s, events()), media_type="text/event-stream")
+    return StreamingResponse(_stream_events(events()), media_type="text/event-stream")

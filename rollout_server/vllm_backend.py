@@ -197,7 +197,7 @@ class VllmBackend:
 
     def __init__(self, engine, tokenizer, sleep_mode: bool, merge: bool = False, eval_every_s: float = 0.0):
         self.engine = engine
-        self.one_version = merge  # the engine holds one version's weights: others run when it is switched
+        self.one_version = merge  # merge mode: one version's weights at a time (RolloutBackend)
         self._eval_every_s = eval_every_s  # merge mode: OpenAI requests switch versions at most this often
         self.tokenizer = tokenizer
         self._sleep_mode = sleep_mode

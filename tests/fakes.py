@@ -44,6 +44,7 @@ class FakeBackend:
     """
 
     name = "fake"
+    one_version = False  # a test sets it to act as vLLM's merge mode
 
     def __init__(
         self,
