@@ -242,11 +242,28 @@ class HFBackend:
     async def unload_adapter(self, adapter: Adapter) -> None:
         await self._run(self._unload, adapter)
 
-    async def sleep(self) -> None:  # nothing to free on CPU; the producer's pause is what matters
-        return None
+    def _models(self) -> list:
+        """Every model whose weights this backend holds: the base (with its peft adapters) and the merged
+        copies."""
+        return [self.model if not self.merge else self.base, *self._merged.values()]
+
+    def _move(self, device: str) -> None:
+        for model in self._models():
+            model.to(device)
+        if device == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    async def sleep(self) -> None:
+        """On a GPU, the weights go to host RAM until the wake, so that a time-sliced learner has the GPU
+        (vLLM's sleep mode does the same for its own weights). On CPU there is nothing to free: the
+        producer's pause is what matters. Adapters loaded while asleep land in host RAM and move with
+        the rest at the wake."""
+        if self.device != "cpu":
+            await self._run(self._move, "cpu")
 
     async def wake(self) -> None:
-        return None
+        if self.device != "cpu":
+            await self._run(self._move, self.device)
 
     async def close(self) -> None:
         return None

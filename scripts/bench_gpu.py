@@ -57,6 +57,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=4, help="G, completions per prompt")
     p.add_argument("--max-tokens", type=int, default=512, help="new tokens per completion")
     p.add_argument("--steps", type=int, default=3, help="learner steps (the first one warms up)")
+    p.add_argument(
+        "--backend",
+        choices=["vllm", "hf"],
+        default="vllm",
+        help="the server's engine: vllm (production), or hf (transformers' generate: the fallback where "
+        "vLLM is not installed; asleep, it moves its weights to host RAM)",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     for name in ("prompts", "group_size", "max_tokens", "steps"):
@@ -108,6 +115,7 @@ def overrides(args, model_dir: str, work: Path, port: int) -> list[str]:
         f"server.state_dir={work / 'server'}",
         f"server.queue_size={args.prompts}",
         f"server.prompts_per_batch={args.prompts}",
+        f"server.backend={args.backend}",
         f"server.vllm.gpu_memory_utilization={util:.4f}",
         f"learner.server_url=http://127.0.0.1:{port}",
         f"learner.out_dir={work / 'learner'}",
