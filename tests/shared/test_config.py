@@ -1,10 +1,18 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, TandemConfig, check_batch_size, load_config, split_overrides
+from shared.config import (
+    ConfigError,
+    TandemConfig,
+    check_batch_size,
+    load_config,
+    native_dtype,
+    split_overrides,
+)
 from tests.conftest import REPO
 
 
@@ -19,6 +27,21 @@ def test_defaults_match_design():
         ["q_proj", "k_proj", "v_proj", "o_proj"],
     )
     assert cfg.server.host == "127.0.0.1"
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_in_it(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert native_dtype("flags\t: fpu sse2 avx2 fma avx512f avx512bw") == "float32"  # AVX2/AVX-512 alone
+    assert native_dtype("flags\t: avx512f avx512_bf16 avx512_vnni") == "bfloat16"
+    assert native_dtype("flags\t: avx512f amx_bf16 amx_tile") == "bfloat16"
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else None
+    resolved = load_config(None, ["model.dtype=auto"]).model.dtype  # resolved once, never stored as "auto"
+    assert resolved == native_dtype(cpuinfo) and resolved in ("bfloat16", "float32")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert native_dtype("flags\t: avx2") == "bfloat16"  # a GPU with bf16 wins over the host CPU
 
 
 def test_toml_then_overrides(tmp_path):
