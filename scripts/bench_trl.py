@@ -3,12 +3,13 @@
     .venv/bin/pip install trl==1.16.0        # once; it fits the project's pins (not a dependency)
     .venv/bin/python scripts/bench_trl.py [--steps 4] [--prompts 4] [--group-size 8] [--max-tokens 64]
 
-Same model (SmolLM2-135M-Instruct, fp32), same prompts (the arith task's train split, in the same order),
-same B, G, max new tokens, temperature, LoRA (r, alpha, targets), beta, constant learning rate (tiny by
-default, see --lr) and loss aggregation (TRL's loss_type="grpo" = tandem's seq_mean_token_mean); no
-dynamic sampling on either side. tandem runs as its two processes (server + DeepSpeed learner,
-time-sliced as in deploy/configs/cpu.toml); TRL as one process. Each side's first step is a warm-up; the
-figures are the median step time over the others and completion tokens/s over the others.
+Same model (SmolLM2-135M-Instruct) in the same precision (--dtype), same prompts (the arith task's train
+split, in the same order), same B, G, max new tokens, temperature, LoRA (r, alpha, targets), beta,
+constant learning rate (tiny by default, see --lr) and loss aggregation (TRL's loss_type="grpo" =
+tandem's seq_mean_token_mean); no dynamic sampling on either side. tandem runs as its two processes
+(server + DeepSpeed learner, time-sliced as in deploy/configs/cpu.toml, plus any --tandem overrides); TRL
+as one process. Each side's first step is a warm-up; the figures are the median step time over the others
+and completion tokens/s over the others, with the breakdown of a tandem step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from shared.config import ConfigError, load_config
+from shared.config import ConfigError, load_config, native_dtype
 from shared.net import free_port
 from shared.procs import start_server, tandem_env
 
@@ -44,6 +45,7 @@ def overrides(args) -> list[str]:
         f"learner.lr={args.lr}",
         f"server.queue_size={args.prompts}",
         f"server.prompts_per_batch={args.prompts}",
+        f"model.dtype={args.dtype}",
     ]
 
 
@@ -74,8 +76,33 @@ def run_tandem(args, work: Path) -> list[tuple[float, float]]:
     finally:
         server.stop(timeout=60)
     records = [json.loads(line) for line in (work / "learner" / "metrics.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (work / "server" / "events.jsonl").read_text().splitlines()]
     n = args.prompts * args.group_size
+    args.breakdown = breakdown(records[1:], events)
     return [(r["perf/step_s"], r["completion/length"] * n) for r in records]
+
+
+PHASES = {  # learner metric -> what it covers
+    "perf/pull_s": "pull: wait for the step's groups (the server wakes, generates, scores)",
+    "perf/train_s": "train: forward, backward, optimizer step",
+    "perf/save_s": "save: adapter + checkpoint + groups on disk",
+    "perf/publish_s": "handoff: ack, upload the adapter, wake the server",
+}
+
+
+def breakdown(records: list[dict], events: list[dict]) -> dict[str, float]:
+    """Median seconds of each phase over the timed steps (learner metrics), the rest of the step (putting
+    the server to sleep, metrics), and from the server's event log the time from each wake to its first
+    group (generation + scoring)."""
+    out = {label: statistics.median(r[key] for r in records) for key, label in PHASES.items()}
+    rest = [r["perf/step_s"] - sum(r[key] for key in PHASES) for r in records]
+    out["other: put the server to sleep, write metrics"] = statistics.median(rest)
+    wakes = [e["t"] for e in events if e["event"] == "wake"]
+    ready = [next((e["t"] for e in events if e["event"] == "group" and e["t"] > w), None) for w in wakes]
+    generation = [r - w for w, r in zip(wakes, ready, strict=True) if r is not None][1:]  # after warm-up
+    if generation:
+        out["  server side: wake -> first group ready (generation + scoring)"] = statistics.median(generation)
+    return out
 
 
 def run_trl(args, cfg, work: Path) -> list[tuple[float, float]]:
@@ -118,13 +145,14 @@ def run_trl(args, cfg, work: Path) -> list[tuple[float, float]]:
         max_steps=args.steps,
         shuffle_dataset=False,
         use_cpu=True,
-        bf16=False,
+        bf16=args.dtype == "bfloat16",
         report_to=[],
         logging_steps=1,
         save_strategy="no",
         seed=0,
     )
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model.name), dtype=torch.float32)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model.name), dtype=dtype)
     peft = LoraConfig(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
@@ -165,6 +193,12 @@ def run_trl(args, cfg, work: Path) -> list[tuple[float, float]]:
     return list(zip(timer.step_s, timer.tokens, strict=True))
 
 
+def print_breakdown(args) -> None:
+    print(f"\na tandem step ({args.dtype}), median seconds of steps 2..{args.steps}:")
+    for label, seconds in args.breakdown.items():
+        print(f"  {seconds:6.2f}  {label}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="deploy/configs/cpu.toml")
@@ -172,6 +206,13 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=4, help="B")
     p.add_argument("--group-size", type=int, default=8, help="G")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="both sides' precision (served and trained in); auto: bfloat16 on CPUs with AVX-512 BF16 or "
+        "AMX, float32 on others (model.dtype = 'auto', shared/config.py)",
+    )
     p.add_argument(
         "--lr",
         type=float,
@@ -188,10 +229,17 @@ def main() -> int:
         help="a config override for tandem's two processes only (repeatable), e.g. --tandem "
         "learner.placement=split",
     )
+    p.add_argument(
+        "--only",
+        choices=["tandem", "trl"],
+        default=None,
+        help="run one side alone (to profile it); the ratio needs both",
+    )
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is a warm-up)")
+    args.dtype = native_dtype() if args.dtype == "auto" else args.dtype  # one precision for both sides
     try:  # both sides read this config; say what is wrong before starting anything
         cfg = load_config(args.config, overrides(args))
         load_config(args.config, overrides(args) + [o.removeprefix("--") for o in args.tandem])
@@ -202,7 +250,11 @@ def main() -> int:
     except ImportError:
         p.error("TRL is not installed: .venv/bin/pip install trl==1.16.0")
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-trl-"))
-    sides = {"tandem": run_tandem(args, work), "trl": run_trl(args, cfg, work)}
+    sides = {}
+    if args.only in (None, "tandem"):
+        sides["tandem"] = run_tandem(args, work)
+    if args.only in (None, "trl"):
+        sides["trl"] = run_trl(args, cfg, work)
     n = args.prompts * args.group_size
     result = {
         "workload": f"{args.prompts} prompts x G={args.group_size}, <= {args.max_tokens} new tokens",
@@ -216,8 +268,16 @@ def main() -> int:
         result[f"{name}_completions_per_s"] = n / result[f"{name}_median_step_s"]
         # The policies drift apart (one learns to answer shorter), so tokens/s is the fairer rate.
         result[f"{name}_completion_tokens_per_s"] = sum(t for _, t in timed) / sum(s for s, _ in timed)
+    if args.only:
+        print(f"\n{args.only}: step time {result[f'{args.only}_median_step_s']:.1f} s (median of steps "
+              f"2..{args.steps}); work folder {work}")  # fmt: skip
+        if args.only == "tandem":
+            print_breakdown(args)
+        return 0
     t, r = result["tandem_median_step_s"], result["trl_median_step_s"]
     tt, rt = result["tandem_completion_tokens_per_s"], result["trl_completion_tokens_per_s"]
+    result["tandem_step_breakdown_s"] = args.breakdown
+    result["dtype"] = args.dtype
     result["step_time_ratio_tandem_over_trl"] = t / r
     result["tokens_per_s_ratio_tandem_over_trl"] = tt / rt
     print(
@@ -226,6 +286,7 @@ def main() -> int:
         f"completion tokens/s (steps 2..{args.steps}): tandem {tt:.1f}, TRL {rt:.1f}; "
         f"tandem/TRL = {tt / rt:.2f}"
     )
+    print_breakdown(args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -83,3 +83,28 @@ def test_gpu_benchmark_files_each_memory_sample_under_the_phase_the_run_was_in()
     table = bench.peaks(samples, bounds)
     assert table["step 1: rollout (server awake)"] == {"server": 950, "learner": 40, "GPU used": 1010}
     assert table["step 1: training"] == {"learner": 3000, "GPU used": 3100}
+
+
+def test_trl_benchmark_breaks_a_tandem_step_into_its_phases():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_trl", REPO / "scripts/bench_trl.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def step(pull, train, save=0.1, publish=0.05, rest=0.2):
+        phases = {"perf/pull_s": pull, "perf/train_s": train, "perf/save_s": save, "perf/publish_s": publish}
+        return phases | {"perf/step_s": sum(phases.values()) + rest}
+
+    records = [step(3.0, 5.0), step(4.0, 6.0, rest=0.4), step(3.5, 4.0)]  # the timed steps
+    events = [  # the warm-up's wake, then one per timed step; lease/sleep lines in between are skipped
+        {"t": 0.0, "event": "wake"}, {"t": 9.0, "event": "group"},
+        {"t": 10.0, "event": "wake"}, {"t": 12.5, "event": "group"}, {"t": 12.6, "event": "group"},
+        {"t": 20.0, "event": "wake"}, {"t": 20.1, "event": "sleep"}, {"t": 23.0, "event": "group"},
+        {"t": 30.0, "event": "wake"}, {"t": 33.5, "event": "group"},
+    ]  # fmt: skip
+    out = bench.breakdown(records, events)
+    labels = list(out)
+    assert [out[k] for k in labels[:5]] == pytest.approx([3.5, 5.0, 0.1, 0.05, 0.2])  # medians
+    assert labels[0].startswith("pull") and labels[1].startswith("train") and labels[4].startswith("other")
+    assert out[labels[5]] == pytest.approx(3.0)  # median of 2.5, 3.0, 3.5: the warm-up's 9 s left out
