@@ -25,6 +25,17 @@ from shared.procs import Proc, tandem_env, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 
+# The demo's own choices on top of the config (your --section.key=value overrides come after and win).
+# Measured on 2 cores (docs/benchmarks.md §2): bf16 where the CPU computes in it halves a step, and 4
+# prompts a step for 24 steps gained +47 points in 3.7 min where cpu.toml's 2 x 12 gained +32 in 1.9.
+DEMO = [
+    "--model.dtype=auto",  # bfloat16 on CPUs with AVX-512 BF16 or AMX, float32 on others
+    "--learner.prompts_per_step=4",
+    "--learner.grad_accum=4",  # 4 x G=8 = 32 completions = micro-batch 8 x 4
+    "--server.queue_size=8",
+    "--learner.steps=24",
+]
+
 
 class PeakRss:
     """Peak resident memory of each process tree (a process and its children: vLLM's engine core,
@@ -111,7 +122,7 @@ def plot(metrics: list[dict], before: float, after: float, steps: int, path: Pat
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="deploy/configs/cpu.toml")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the config's)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 24)")
     p.add_argument("--eval-problems", type=int, default=100, help="held-out problems to score before/after")
     p.add_argument(
         "--seed", type=int, default=None, help="seed of data order, sampling, LoRA init (default: config)"
@@ -131,6 +142,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     overrides = [
+        *DEMO,
         f"--server.port={port}",
         f"--server.state_dir={out / 'server'}",
         f"--learner.server_url=http://127.0.0.1:{port}",
@@ -146,7 +158,7 @@ def main() -> int:
     env = tandem_env(token)
     env.setdefault("OMP_NUM_THREADS", "2")  # time-sliced: the two processes take turns
 
-    print(f"tandem demo -> {out}\n")
+    print(f"tandem demo -> {out}\n{args.config} + {' '.join(o[2:] for o in DEMO)} ({cfg.model.dtype})\n")
     print(f"1/4 starting the rollout server ({cfg.server.backend} backend on CPU) ...", flush=True)
     server = Proc(["-m", "rollout_server", "--config", args.config, *overrides], out / "server.log", env)
     learner = None
