@@ -19,7 +19,7 @@ from pathlib import Path
 
 from learner.client import RolloutClient
 from learner.evaluate import evaluate
-from shared.config import load_config
+from shared.config import load_config, native_dtype
 from shared.net import free_port
 from shared.procs import Proc, tandem_env, wait_healthy
 
@@ -27,14 +27,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The demo's own choices on top of the config (your --section.key=value overrides come after and win).
 # Measured on 2 cores (docs/benchmarks.md §2): bf16 where the CPU computes in it halves a step, and 4
-# prompts a step for 24 steps gained +47 points in 3.7 min where cpu.toml's 2 x 12 gained +32 in 1.9.
-DEMO = [
-    "--model.dtype=auto",  # bfloat16 on CPUs with AVX-512 BF16 or AMX, float32 on others
+# prompts a step for 24 steps gained +47 points in 3.7 min where cpu.toml's 2 x 12 gained +32 in 1.9. On a
+# CPU without native bf16 a step costs 1.5x or more in float32 and the old demo already took 6-13.5 min
+# on one, so there the demo keeps cpu.toml's 2 prompts x 12 steps (+28 mean) to stay within ~10 minutes.
+LARGER = [
     "--learner.prompts_per_step=4",
     "--learner.grad_accum=4",  # 4 x G=8 = 32 completions = micro-batch 8 x 4
     "--server.queue_size=8",
     "--learner.steps=24",
 ]
+
+
+def demo_choices(dtype: str) -> list[str]:
+    """bfloat16 where the CPU computes in it (model.dtype = auto), and the larger run only there."""
+    return ["--model.dtype=auto", *(LARGER if dtype == "bfloat16" else [])]
 
 
 class PeakRss:
@@ -141,8 +147,9 @@ def main() -> int:
     out = Path(args.out or REPO / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    demo = demo_choices(native_dtype())
     overrides = [
-        *DEMO,
+        *demo,
         f"--server.port={port}",
         f"--server.state_dir={out / 'server'}",
         f"--learner.server_url=http://127.0.0.1:{port}",
@@ -158,7 +165,7 @@ def main() -> int:
     env = tandem_env(token)
     env.setdefault("OMP_NUM_THREADS", "2")  # time-sliced: the two processes take turns
 
-    print(f"tandem demo -> {out}\n{args.config} + {' '.join(o[2:] for o in DEMO)} ({cfg.model.dtype})\n")
+    print(f"tandem demo -> {out}\n{args.config} + {' '.join(o[2:] for o in demo)} ({cfg.model.dtype})\n")
     print(f"1/4 starting the rollout server ({cfg.server.backend} backend on CPU) ...", flush=True)
     server = Proc(["-m", "rollout_server", "--config", args.config, *overrides], out / "server.log", env)
     learner = None

@@ -108,3 +108,15 @@ def test_trl_benchmark_breaks_a_tandem_step_into_its_phases():
     assert [out[k] for k in labels[:5]] == pytest.approx([3.5, 5.0, 0.1, 0.05, 0.2])  # medians
     assert labels[0].startswith("pull") and labels[1].startswith("train") and labels[4].startswith("other")
     assert out[labels[5]] == pytest.approx(3.0)  # median of 2.5, 3.0, 3.5: the warm-up's 9 s left out
+
+
+def test_the_demo_runs_larger_only_where_the_cpu_computes_in_bf16():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", REPO / "scripts/demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    assert demo.demo_choices("float32") == ["--model.dtype=auto"]  # cpu.toml's 2 prompts x 12 steps
+    larger = demo.demo_choices("bfloat16")
+    assert larger[0] == "--model.dtype=auto"
+    assert {"--learner.prompts_per_step=4", "--learner.steps=24", "--server.queue_size=8"} <= set(larger)
