@@ -19,7 +19,7 @@ from pathlib import Path
 
 from learner.client import RolloutClient
 from learner.evaluate import evaluate
-from shared.config import load_config, native_dtype
+from shared.config import load_config
 from shared.net import free_port
 from shared.procs import Proc, tandem_env, wait_healthy
 
@@ -39,7 +39,8 @@ LARGER = [
 
 
 def demo_choices(dtype: str) -> list[str]:
-    """bfloat16 where the CPU computes in it (model.dtype = auto), and the larger run only there."""
+    """bfloat16 where the CPU computes in it (model.dtype = auto), and the larger run only in bf16 (`dtype`:
+    the precision the run resolves to)."""
     return ["--model.dtype=auto", *(LARGER if dtype == "bfloat16" else [])]
 
 
@@ -128,7 +129,9 @@ def plot(metrics: list[dict], before: float, after: float, steps: int, path: Pat
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="deploy/configs/cpu.toml")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 24)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps (default: 24 in bf16, else the config's)"
+    )
     p.add_argument("--eval-problems", type=int, default=100, help="held-out problems to score before/after")
     p.add_argument(
         "--seed", type=int, default=None, help="seed of data order, sampling, LoRA init (default: config)"
@@ -147,7 +150,10 @@ def main() -> int:
     out = Path(args.out or REPO / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    demo = demo_choices(native_dtype())
+    # the precision this run will have: auto, unless an override of yours names one
+    demo = demo_choices(
+        load_config(REPO / args.config, ["model.dtype=auto", *(o[2:] for o in extra)]).model.dtype
+    )
     overrides = [
         *demo,
         f"--server.port={port}",
