@@ -49,7 +49,8 @@ def overrides(args) -> list[str]:
     ]
 
 
-def run_tandem(args, work: Path) -> list[tuple[float, float]]:
+def run_tandem(args, work: Path) -> tuple[list[tuple[float, float]], dict[str, float]]:
+    """(step seconds, completion tokens) of each step, and the breakdown of a timed step."""
     port = free_port()
     extra = [
         *overrides(args),
@@ -78,8 +79,8 @@ def run_tandem(args, work: Path) -> list[tuple[float, float]]:
     records = [json.loads(line) for line in (work / "learner" / "metrics.jsonl").read_text().splitlines()]
     events = [json.loads(line) for line in (work / "server" / "events.jsonl").read_text().splitlines()]
     n = args.prompts * args.group_size
-    args.breakdown = breakdown(records[1:], events)
-    return [(r["perf/step_s"], r["completion/length"] * n) for r in records]
+    steps = [(r["perf/step_s"], r["completion/length"] * n) for r in records]
+    return steps, breakdown(records[1:], events)
 
 
 PHASES = {  # learner metric -> what it covers
@@ -193,9 +194,9 @@ def run_trl(args, cfg, work: Path) -> list[tuple[float, float]]:
     return list(zip(timer.step_s, timer.tokens, strict=True))
 
 
-def print_breakdown(args) -> None:
+def print_breakdown(phases: dict[str, float], args) -> None:
     print(f"\na tandem step ({args.dtype}), median seconds of steps 2..{args.steps}:")
-    for label, seconds in args.breakdown.items():
+    for label, seconds in phases.items():
         print(f"  {seconds:6.2f}  {label}")
 
 
@@ -250,9 +251,9 @@ def main() -> int:
     except ImportError:
         p.error("TRL is not installed: .venv/bin/pip install trl==1.16.0")
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-trl-"))
-    sides = {}
+    sides, phases = {}, {}
     if args.only in (None, "tandem"):
-        sides["tandem"] = run_tandem(args, work)
+        sides["tandem"], phases = run_tandem(args, work)
     if args.only in (None, "trl"):
         sides["trl"] = run_trl(args, cfg, work)
     n = args.prompts * args.group_size
@@ -272,11 +273,11 @@ def main() -> int:
         print(f"\n{args.only}: step time {result[f'{args.only}_median_step_s']:.1f} s (median of steps "
               f"2..{args.steps}); work folder {work}")  # fmt: skip
         if args.only == "tandem":
-            print_breakdown(args)
+            print_breakdown(phases, args)
         return 0
     t, r = result["tandem_median_step_s"], result["trl_median_step_s"]
     tt, rt = result["tandem_completion_tokens_per_s"], result["trl_completion_tokens_per_s"]
-    result["tandem_step_breakdown_s"] = args.breakdown
+    result["tandem_step_breakdown_s"] = phases
     result["dtype"] = args.dtype
     result["step_time_ratio_tandem_over_trl"] = t / r
     result["tokens_per_s_ratio_tandem_over_trl"] = tt / rt
@@ -286,7 +287,7 @@ def main() -> int:
         f"completion tokens/s (steps 2..{args.steps}): tandem {tt:.1f}, TRL {rt:.1f}; "
         f"tandem/TRL = {tt / rt:.2f}"
     )
-    print_breakdown(args)
+    print_breakdown(phases, args)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0
