@@ -100,7 +100,8 @@ def breakdown(records: list[dict], events: list[dict]) -> dict[str, float]:
     out["other: put the server to sleep, write metrics"] = statistics.median(rest)
     wakes = [e["t"] for e in events if e["event"] == "wake"]
     ready = [next((e["t"] for e in events if e["event"] == "group" and e["t"] > w), None) for w in wakes]
-    generation = [r - w for w, r in zip(wakes, ready, strict=True) if r is not None][1:]  # after warm-up
+    # the warm-up step's groups come before any wake: each wake here is the rollout of a timed step
+    generation = [r - w for w, r in zip(wakes, ready, strict=True) if r is not None]
     if generation:
         out["  server side: wake -> first group ready (generation + scoring)"] = statistics.median(generation)
     return out

@@ -97,17 +97,18 @@ def test_trl_benchmark_breaks_a_tandem_step_into_its_phases():
         return phases | {"perf/step_s": sum(phases.values()) + rest}
 
     records = [step(3.0, 5.0), step(4.0, 6.0, rest=0.4), step(3.5, 4.0)]  # the timed steps
-    events = [  # the warm-up's wake, then one per timed step; lease/sleep lines in between are skipped
-        {"t": 0.0, "event": "wake"}, {"t": 9.0, "event": "group"},
-        {"t": 10.0, "event": "wake"}, {"t": 12.5, "event": "group"}, {"t": 12.6, "event": "group"},
-        {"t": 20.0, "event": "wake"}, {"t": 20.1, "event": "sleep"}, {"t": 23.0, "event": "group"},
-        {"t": 30.0, "event": "wake"}, {"t": 33.5, "event": "group"},
+    events = [  # as the server logs them: the warm-up's groups come before any wake, then a wake after each
+        # step's handoff starts the next step's rollout; lease/sleep lines in between are skipped
+        {"t": 0.0, "event": "group"}, {"t": 9.0, "event": "wake"}, {"t": 11.5, "event": "group"},
+        {"t": 11.6, "event": "group"}, {"t": 20.0, "event": "wake"}, {"t": 20.1, "event": "sleep"},
+        {"t": 23.0, "event": "group"}, {"t": 30.0, "event": "wake"}, {"t": 33.5, "event": "group"},
+        {"t": 40.0, "event": "wake"},  # after the last step: nothing follows
     ]  # fmt: skip
     out = bench.breakdown(records, events)
     labels = list(out)
     assert [out[k] for k in labels[:5]] == pytest.approx([3.5, 5.0, 0.1, 0.05, 0.2])  # medians
     assert labels[0].startswith("pull") and labels[1].startswith("train") and labels[4].startswith("other")
-    assert out[labels[5]] == pytest.approx(3.0)  # median of 2.5, 3.0, 3.5: the warm-up's 9 s left out
+    assert out[labels[5]] == pytest.approx(3.0)  # median of 2.5, 3.0, 3.5: one per timed step
 
 
 def test_the_demo_runs_larger_only_where_the_cpu_computes_in_bf16():
