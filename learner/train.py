@@ -8,6 +8,7 @@ Rank 0 talks to the server and broadcasts the groups; every rank trains on its s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -489,6 +490,27 @@ def pin_threads(n: int | None, log) -> None:
     log(f"computing on {len(mine)} thread(s), cores {','.join(map(str, mine))} (learner.threads)")
 
 
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory(log) -> bool:
+    """CPU: keep the memory torch frees inside the process. There torch allocates every micro-batch's
+    activations anew with malloc, and glibc gives large freed blocks straight back to the OS (mmap'd
+    blocks, the heap's top beyond 128 KiB), so the next micro-batch faults every page in again: some 0.7M
+    page faults per step of the CPU benchmark, handled one at a time while the compute threads wait
+    (docs/benchmarks.md §3). No mmap'd blocks and no trimming: the footprint stays at its peak, which each
+    step reaches anyway. False (nothing changed) where the C library is not glibc."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if mallopt(M_MMAP_MAX, 0) != 1 or mallopt(M_TRIM_THRESHOLD, 2**31 - 1) != 1:
+        return False
+    log("freed memory is kept in the process, not returned to the OS (saves re-faulting it each step)")
+    return True
+
+
 def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     rank, world, on_cpu = init_distributed()
     check_batch_size(cfg, world)
@@ -499,6 +521,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     torch.manual_seed(cfg.learner.seed)  # the same LoRA init on every rank
     if on_cpu:
         pin_threads(cfg.learner.threads, log)
+        keep_freed_memory(log)
 
     replay = cfg.learner.replay_file
     shares_gpu = cfg.learner.placement == "timeslice" and not on_cpu

@@ -1,0 +1,43 @@
+"""keep_freed_memory (learner/train.py): on CPU the learner keeps what torch frees, so the next micro-batch's
+activations do not fault their pages in again. Measured in a child process: the setting is process-wide."""
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+FAULTS = """
+import resource, torch
+from learner.train import keep_freed_memory
+kept = keep_freed_memory(print) if {keep} else False
+for _ in range(3):  # the heap settles within a few steps' allocations
+    x = torch.ones(16 * 2**20)  # 64 MiB, far above glibc's mmap threshold
+    del x
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    x = torch.ones(16 * 2**20)
+    del x
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+PAGES = 20 * 64 * 2**20 // 4096  # of twenty 64 MiB allocations, in 4 KiB pages
+
+
+def faults(keep: bool) -> tuple[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", FAULTS.format(keep=keep)], capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    kept, n = out.stdout.splitlines()[-1].split()
+    return kept, int(n)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt's parameters are glibc's")
+def test_freed_memory_is_reused_without_faulting_its_pages_in_again():
+    kept, n = faults(keep=False)
+    assert n > 0.9 * PAGES  # glibc's default: each allocation is a fresh mapping, every page faults
+    kept, n = faults(keep=True)
+    assert kept == "True"
+    assert n < 0.1 * PAGES  # the odd one may still extend the heap (a small block landed after the hole)
