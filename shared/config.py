@@ -183,6 +183,13 @@ class VllmConfig(_Section):
     enforce_eager: bool = Field(default=True, description="skip torch.compile/CUDA graphs: fast start")
     enable_sleep_mode: bool = True
     max_num_seqs: int = Field(default=64, ge=1)
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV cache block size in tokens; unset: vLLM's (128 on CPU). Prefix caching shares only "
+        "full blocks, so the G samples of a prompt shorter than a block each prefill it again; on CPU a "
+        "multiple of 32",
+    )
     cpu_threads: int | None = Field(
         default=None,
         ge=1,

@@ -1,0 +1,90 @@
+"""The worker's idle busy-poll (rollout_server/vllm_backend.py), on vLLM's own shared-memory queue condition:
+bounded, a reader still returns at once while messages come often, and blocks on its socket soon after the
+last one instead of spinning a core for vLLM's second."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from rollout_server.vllm_backend import shorten_idle_spin
+
+shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
+zmq = pytest.importorskip("zmq")
+
+
+@pytest.fixture
+def reader(monkeypatch, tmp_path):
+    # the bound patches vLLM's class for the process: put the original back after the test
+    monkeypatch.setattr(shm_broadcast.SpinCondition, "wait", shm_broadcast.SpinCondition.wait)
+    context = zmq.Context()
+    address = f"ipc://{tmp_path / 'notify'}"
+    writer = shm_broadcast.SpinCondition(is_reader=False, context=context, notify_address=address)
+    reader = shm_broadcast.SpinCondition(is_reader=True, context=context, notify_address=address)
+    yield reader
+    for s in (reader.local_notify_socket, reader.read_cancel_socket, reader.write_cancel_socket):
+        s.close(linger=0)
+    writer.local_notify_socket.close(linger=0)
+    context.term()
+
+
+def seconds_in_wait(reader, since_read_s: float, timeout_ms: int = 400) -> float:
+    """How long reader.wait blocks `since_read_s` after a read, with nothing written meanwhile."""
+    reader.record_read()
+    time.sleep(since_read_s)
+    t0 = time.monotonic()
+    reader.wait(timeout_ms=timeout_ms)
+    return time.monotonic() - t0
+
+
+def test_vllms_reader_spins_for_a_second_after_a_read(reader):
+    """The behaviour being bounded: 0.2 s after a read, wait() yields and returns (the caller spins)."""
+    assert reader.busy_loop_s == 1
+    assert seconds_in_wait(reader, 0.2) < 0.1
+
+
+def test_bounded_reader_blocks_soon_after_its_last_read_and_spins_while_reads_are_frequent(reader):
+    assert shorten_idle_spin(0.05)
+    assert seconds_in_wait(reader, 0.2) >= 0.35  # blocked on its socket, until the 400 ms timeout
+    assert reader.busy_loop_s == 0.05
+    assert seconds_in_wait(reader, 0.0) < 0.1  # just read: still spinning, no added latency
+    assert shorten_idle_spin(0.05)  # applied twice: one bound, not a wrapper around a wrapper
+    assert not hasattr(shm_broadcast.SpinCondition.wait.tandem_unbounded, "tandem_unbounded")
+
+
+class _Engine:
+    """AsyncLLM's part that create() uses after building it."""
+
+    def __init__(self):
+        self.rpcs = []
+
+    async def collective_rpc(self, method, args=()):
+        self.rpcs.append((method, args))
+        return [True]
+
+    def get_tokenizer(self):
+        return None
+
+
+@pytest.mark.parametrize("block_size", [32, None])
+def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(monkeypatch, block_size):
+    from vllm.engine import arg_utils
+    from vllm.v1.engine import async_llm
+
+    from rollout_server.vllm_backend import IDLE_SPIN_S, VllmBackend
+    from shared.config import load_config
+    from tests.helpers import REPO
+
+    args, engine = {}, _Engine()
+    monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
+    monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", lambda a: args.update(a) or engine)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # create() would set it for the rest of the session
+    cfg = load_config(REPO / "deploy/configs/cpu.toml")
+    assert cfg.server.vllm.block_size == 32  # the CPU recipe's (its prompts are shorter than vLLM's 128)
+    cfg.server.vllm.block_size = block_size
+    asyncio.run(VllmBackend.create(cfg, "/models/m"))
+    assert args.get("block_size") == block_size  # unset: not passed, vLLM chooses
+    assert args["worker_extension_cls"] == "rollout_server.vllm_backend.TandemWorker"
+    assert engine.rpcs == [("tandem_idle_spin", (IDLE_SPIN_S,))]
