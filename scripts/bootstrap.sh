@@ -20,6 +20,12 @@ fi
 log() { printf '[bootstrap %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
 if [[ ! -x "$VENV/bin/python" ]]; then
+  # The stack takes about 4.5 GB: fail at once with the reason rather than half-way through pip.
+  free_gb=$(df -P -BG "$(dirname "$VENV")" | awk 'NR == 2 {sub("G", "", $4); print $4}')
+  if (( ${free_gb:-0} < 6 )); then
+    echo "bootstrap: only ${free_gb} GB free in $(dirname "$VENV"); the CPU stack in $VENV needs about 6 GB" >&2
+    exit 1
+  fi
   log "creating $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
 fi

@@ -3,12 +3,14 @@
 # start dockerd if none runs, make a Debian base image without any image registry, build tandem:cpu, run
 # deploy/compose.cpu.yml, wait until the learner has trained a step and the server serves v1, restart the
 # learner and check that it resumes from its checkpoint in the `runs` volume with the step count going on.
-# Shows the logs on failure and always ends with `docker compose ... down -v`.
+# Shows the logs on failure and always ends with `docker compose ... down -v`, then removes the image it
+# built (5.6 GB; every run used to leave one behind, which filled a disk after a few runs) and, in CI
+# (CI=true), the build cache. The small base image is kept.
 #
 #   bash scripts/compose_smoke.sh            # as root (apt-get, dockerd, debootstrap); ~10 min from nothing
 #
 # Environment: TANDEM_SMOKE_BASE (a base image to use instead of making one), TANDEM_SMOKE_TIMEOUT_S (per
-# wait, default 900).
+# wait, default 900), TANDEM_SMOKE_KEEP_IMAGE=1 (keep tandem:cpu and the build cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,6 +46,16 @@ cp "$compose_bin" ~/.docker/cli-plugins/docker-compose
 compose() { docker compose -f deploy/compose.cpu.yml "$@"; }
 log "$(docker compose version) ($cli)"
 
+# The build needs about 12 GB (image, build cache, the venv inside it): say so plainly rather than let it
+# die half-way with "no space left on device".
+docker_root=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
+free_gb=$(df -P -BG "$docker_root" | awk 'NR == 2 {sub("G", "", $4); print $4}')
+if [ "${free_gb:-0}" -lt 12 ]; then
+  log "only ${free_gb} GB free under $docker_root; building tandem:cpu needs about 12 GB."
+  log "free some (docker image prune; docker builder prune) and run again"
+  exit 1
+fi
+
 base=${TANDEM_SMOKE_BASE:-local/debian:bookworm}
 if ! docker image inspect "$base" >/dev/null 2>&1; then
   log "making $base with debootstrap (no image registry needed)"
@@ -63,10 +75,15 @@ fi
 ca=$(.venv/bin/python -m pip config get global.cert 2>/dev/null || echo /etc/ssl/certs/ca-certificates.crt)
 log "building tandem:cpu on $base (torch from ${torch_index:-deploy/wheels})"
 t0=$(date +%s)
+previous=$(docker image inspect -f '{{.Id}}' tandem:cpu 2>/dev/null || true)
 DOCKER_BUILDKIT=1 docker build -q -f deploy/Dockerfile.cpu -t tandem:cpu \
   --build-arg BASE="$base" --build-arg TANDEM_TORCH_INDEX="$torch_index" --secret id=ca,src="$ca" . >/dev/null
 rm -f deploy/wheels/*.whl
 log "built in $(($(date +%s) - t0)) s"
+# A rebuild leaves the image it replaced untagged: remove it now rather than let it pile up.
+if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect -f '{{.Id}}' tandem:cpu)" ]; then
+  docker image rm "$previous" >/dev/null 2>&1 || true
+fi
 
 # -- run ---------------------------------------------------------------------------------------------------
 failed=1
@@ -77,6 +94,16 @@ finish() {
   fi
   compose down -v --remove-orphans >/dev/null 2>&1 || true
   log "stack removed"
+  if [ "${TANDEM_SMOKE_KEEP_IMAGE:-0}" != 1 ]; then
+    docker image rm tandem:cpu >/dev/null 2>&1 || true
+    # All unused build cache goes, not only this build's (Docker cannot tell them apart): in CI only.
+    what="tandem:cpu removed"
+    if [ "${CI:-}" = true ]; then
+      docker builder prune -af >/dev/null 2>&1 || true
+      what="$what with the build cache"
+    fi
+    log "$what (TANDEM_SMOKE_KEEP_IMAGE=1 keeps it)"
+  fi
 }
 trap finish EXIT
 
