@@ -6,7 +6,9 @@
 #
 # The server writes its URL to $TANDEM_RUN_DIR/server_url once /health answers; the learner waits for
 # that file (up to TANDEM_WAIT_S seconds), then connects. Both keep their state under $TANDEM_RUN_DIR,
-# so resubmitting either job resumes it. Multi-GPU learner: TANDEM_LAUNCHER="torchrun --nproc-per-node 4".
+# so resubmitting either job resumes it. A resubmitted server may come up on another node: the learner's
+# wrapper reads the URL file(s) every TANDEM_URL_POLL_S seconds (10) and, when one changes, restarts the
+# learner, which resumes from its checkpoint. Multi-GPU learner: TANDEM_LAUNCHER="torchrun --nproc-per-node 4".
 #
 # Several servers: TANDEM_NUM_SERVERS=N for every job. Server k (TANDEM_SHARD, else SLURM_ARRAY_TASK_ID)
 # generates shard k of N of the prompts on port 8000+k (TANDEM_PORT overrides), keeps its state in
@@ -83,17 +85,66 @@ learner)
       waited=$((waited + 2))
     done
   done
-  if [ "$num_servers" -gt 1 ]; then
-    urls=$(for f in "${files[@]}"; do cat "$f"; done | "$py" -c 'import json, sys; print(json.dumps(sys.stdin.read().split()))')
-    server_arg=(--learner.server_urls="$urls")
-  else
-    urls=$(cat "$url_file")
-    server_arg=(--learner.server_url="$urls")
-  fi
-  echo "run.sh: learner connecting to $urls"
-  # shellcheck disable=SC2086  # TANDEM_LAUNCHER is a command line, split on purpose
-  exec ${TANDEM_LAUNCHER:-"$py"} -m learner --config "$config" "${server_arg[@]}" \
-    --learner.out_dir="$run_dir/learner" --resume "$@"
+  urls_now() {  # the URL(s) in the run folder, as the learner's option takes them; fails while one is missing
+    if [ "$num_servers" -gt 1 ]; then
+      local f
+      for f in "${files[@]}"; do [ -s "$f" ] || return 1; done
+      for f in "${files[@]}"; do cat "$f"; done | "$py" -c 'import json, sys; print(json.dumps(sys.stdin.read().split()))'
+    else
+      [ -s "$url_file" ] && cat "$url_file"
+    fi
+  }
+  option=--learner.server_url
+  [ "$num_servers" -gt 1 ] && option=--learner.server_urls
+  # Supervise the learner rather than exec it: a server job that is resubmitted and lands on another node
+  # writes a new URL, which the learner (retrying the old one) would never see. When a URL file changes,
+  # the learner gets SIGTERM (it checkpoints and exits) and starts again with --resume at the new URL.
+  poll_s=${TANDEM_URL_POLL_S:-10}  # whole seconds
+  pid="" stopping=0
+  trap 'stopping=1; [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null' TERM INT
+  reap() {  # wait for the learner, through signals that interrupt `wait`; its exit status
+    local rc
+    while :; do
+      wait "$pid" && rc=0 || rc=$?
+      kill -0 "$pid" 2>/dev/null || return "$rc"
+    done
+  }
+  urls=$(urls_now)
+  while :; do
+    echo "run.sh: learner connecting to $urls"
+    # shellcheck disable=SC2086  # TANDEM_LAUNCHER is a command line, split on purpose
+    ${TANDEM_LAUNCHER:-"$py"} -m learner --config "$config" "$option=$urls" \
+      --learner.out_dir="$run_dir/learner" --resume "$@" &
+    pid=$!
+    moved=""
+    ticks=0
+    while :; do  # a 1-s tick, so that the job ends as soon as the learner does
+      sleep 1 &
+      wait $! 2>/dev/null || kill $! 2>/dev/null || true  # a signal cut the wait short: no stray sleep
+      [ "$stopping" = 0 ] && kill -0 "$pid" 2>/dev/null || break
+      ticks=$((ticks + 1))
+      [ "$ticks" -ge "$poll_s" ] || continue
+      ticks=0
+      now=$(urls_now 2>/dev/null) || continue  # a server between jobs: nothing to follow yet
+      if [ "$now" != "$urls" ]; then
+        moved=$now
+        echo "run.sh: the rollout server moved to $moved; restarting the learner (it resumes from its checkpoint)"
+        kill -TERM "$pid" 2>/dev/null || true
+        break
+      fi
+    done
+    rc=0
+    reap || rc=$?
+    if [ "$stopping" = 0 ] && [ -z "$moved" ] && [ "$rc" != 0 ]; then
+      # it gave up on an unreachable server: go on if that server has come back elsewhere meanwhile
+      now=$(urls_now 2>/dev/null) && [ "$now" != "$urls" ] && moved=$now &&
+        echo "run.sh: the learner exited $rc; the rollout server is now at $moved: starting it again"
+    fi
+    if [ "$stopping" = 1 ] || [ -z "$moved" ]; then
+      exit "$rc"
+    fi
+    urls=$moved
+  done
   ;;
 *)
   echo "run.sh: unknown role '$role' (use server or learner)" >&2

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,118 @@ def test_on_one_machine_each_process_gets_its_gpus(tmp_path, config, env, gpus):
     )
     assert out.returncode == 0, out.stderr
     assert f"gpus={gpus}" in out.stdout.splitlines()
+
+
+# The learner replaced by a script that logs each start (its server option) and each SIGTERM. A learner
+# started at a URL containing "gone" gives up at once (exit 3, as after learner.server_retry_s) once the
+# server has come back elsewhere, as a resubmitted job on another node would.
+STUB = """#!/bin/bash
+for a in "$@"; do
+  case "$a" in --learner.server_url*|--resume) echo "start $a" >> "$TANDEM_RUN_DIR/log";; esac
+done
+case "$*" in *gone*) echo http://b:2 > "$TANDEM_RUN_DIR/server_url.tmp"; mv "$TANDEM_RUN_DIR/server_url.tmp" \
+  "$TANDEM_RUN_DIR/server_url"; exit 3;; esac
+trap 'echo term >> "$TANDEM_RUN_DIR/log"; exit 0' TERM
+while :; do sleep 0.05; done
+"""
+
+
+def _supervised(tmp_path, servers: int = 1, script: str = STUB, **env) -> subprocess.Popen:
+    stub = tmp_path / "learner.sh"
+    stub.write_text(script)
+    stub.chmod(0o755)
+    env = proc_env(
+        TANDEM_RUN_DIR=str(tmp_path), TANDEM_PYTHON=sys.executable, TANDEM_LAUNCHER=str(stub),
+        TANDEM_URL_POLL_S="1", TANDEM_NUM_SERVERS=str(servers), SLURM_JOB_ID="1", **env,
+    )  # fmt: skip
+    return subprocess.Popen(
+        ["deploy/slurm/run.sh", "learner", "deploy/configs/cpu.toml"],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _publish(path: Path, url: str) -> None:
+    path.parent.mkdir(exist_ok=True)
+    (tmp := path.with_suffix(".tmp")).write_text(url + "\n")
+    tmp.replace(path)
+
+
+def _log_until(tmp_path, lines: int) -> list[str]:
+    log = tmp_path / "log"
+    for _ in range(300):
+        got = log.read_text().splitlines() if log.exists() else []
+        if len(got) >= lines:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"the learner log has {got}, wanted {lines} lines")
+
+
+def test_learner_follows_a_server_that_moved_to_another_node(tmp_path):
+    """A resubmitted server job on another node writes a new URL: the learner gets SIGTERM and starts
+    again at the new URL with --resume; a URL rewritten unchanged (same node) restarts nothing; SIGTERM
+    to the job reaches the learner, and the job exits with its status."""
+    _publish(tmp_path / "server_url", "http://a:1")
+    job = _supervised(tmp_path)
+    try:
+        assert _log_until(tmp_path, 2) == ["start --learner.server_url=http://a:1", "start --resume"]
+        _publish(tmp_path / "server_url", "http://a:1")  # the same node again
+        (tmp_path / "server_url").unlink()  # and a server between jobs (run.sh removes the file)
+        time.sleep(1.5)
+        _publish(tmp_path / "server_url", "http://b:2")
+        restarted = ["term", "start --learner.server_url=http://b:2", "start --resume"]
+        assert _log_until(tmp_path, 5)[2:] == restarted
+        job.send_signal(15)
+        out, _ = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert job.returncode == 0, out
+    assert (tmp_path / "log").read_text().splitlines()[5:] == ["term"]
+    assert "the rollout server moved to http://b:2" in out
+
+
+def test_learner_that_gave_up_starts_again_where_the_server_came_back(tmp_path):
+    _publish(tmp_path / "server_url", "http://gone:1")
+    job = _supervised(tmp_path)
+    try:
+        assert _log_until(tmp_path, 4) == [
+            "start --learner.server_url=http://gone:1", "start --resume",
+            "start --learner.server_url=http://b:2", "start --resume",
+        ]  # fmt: skip
+        job.send_signal(15)
+        out, _ = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert job.returncode == 0 and "the learner exited 3; the rollout server is now at http://b:2" in out
+
+
+def test_learner_exit_status_is_the_jobs_when_no_server_moved(tmp_path):
+    """It gave up and its server is still where it was: the job fails with the learner's status."""
+    _publish(tmp_path / "server_url", "http://gone:1")
+    job = _supervised(tmp_path, script=STUB.replace("echo http://b:2", "echo http://gone:1"))
+    out, _ = job.communicate(timeout=30)
+    assert job.returncode == 3, out
+    started = ["start --learner.server_url=http://gone:1", "start --resume"]
+    assert (tmp_path / "log").read_text().splitlines() == started
+
+
+def test_learner_follows_one_of_several_servers(tmp_path):
+    urls = tmp_path / "server_urls"
+    _publish(urls / "0", "http://a:1")
+    _publish(urls / "1", "http://c:3")
+    job = _supervised(tmp_path, servers=2)
+    try:
+        assert _log_until(tmp_path, 2)[0] == 'start --learner.server_urls=["http://a:1", "http://c:3"]'
+        _publish(urls / "1", "http://d:4")
+        assert _log_until(tmp_path, 5)[2:4] == [
+            "term",
+            'start --learner.server_urls=["http://a:1", "http://d:4"]',
+        ]
+        job.send_signal(15)
+        job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert job.returncode == 0
