@@ -290,19 +290,28 @@ def _persist(engine, cfg: TandemConfig, out: Path, state: ckpt.State, pulled: Pu
 
 
 class _Stop:
-    """SIGTERM/SIGINT: finish the step in progress, checkpoint, exit 0."""
+    """SIGTERM/SIGINT: finish the step in progress, checkpoint, exit 0. Another signal more than
+    `same_stop_s` later aborts the step; one sooner is the same stop delivered twice (SLURM signals every
+    process of a job step, the learner's wrapper forwards it too; Ctrl-C reaches the whole process group),
+    which must not cost the step."""
 
-    def __init__(self):
-        self.requested = False
+    same_stop_s = 2.0
+
+    def __init__(self, clock=time.monotonic):
+        self.requested, self._at, self._clock = False, 0.0, clock
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+            if self._clock() - self._at <= self.same_stop_s:
+                return
+            raise KeyboardInterrupt(f"{name} while stopping: the step in progress is abandoned")
+        self.requested, self._at = True, self._clock()
         print(
-            f"[learner] {signal.Signals(signum).name}: finishing this step, then checkpoint and exit",
+            f"[learner] {name}: finishing this step, then checkpoint and exit (another signal, more than "
+            f"{self.same_stop_s:.0f} s from now, abandons the step)",
             flush=True,
         )
 
