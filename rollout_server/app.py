@@ -417,13 +417,14 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
     exit 2."""
     from transformers import AutoTokenizer
 
-    from rollout_server.vllm_backend import check_vllm_version  # imports no vllm
+    from rollout_server.vllm_backend import check_vllm_settings, check_vllm_version  # import no vllm
     from shared.datasets import drop_long_prompts, load_problems
     from shared.models import resolve_model
     from shared.rewards import resolve
 
     if cfg.server.backend == "vllm":
         log.info("vLLM %s", check_vllm_version())
+        check_vllm_settings(cfg)
     resolve(cfg.reward)
     model_path = resolve_model(cfg.model.name)
     problems = load_problems(cfg.data)

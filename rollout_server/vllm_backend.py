@@ -23,7 +23,7 @@ from rollout_server.backend import (
     TokenLogprob,
 )
 from rollout_server.vllm_merge import MergeWorker
-from shared.config import TandemConfig
+from shared.config import ConfigError, TandemConfig
 
 log = logging.getLogger("tandem.server")
 
@@ -75,6 +75,22 @@ class TandemWorker(MergeWorker):
 
 class VllmVersionError(RuntimeError):
     pass
+
+
+def check_vllm_settings(cfg: TandemConfig, cuda: bool | None = None) -> None:
+    """Settings this machine's vLLM cannot start with, refused with the field's name before the engine
+    loads (where vLLM would fail minutes later with a traceback). `cuda`: default, whether torch sees a
+    GPU."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    size = cfg.server.vllm.block_size
+    if size is not None and not cuda and size % 32:
+        raise ConfigError(
+            f"server.vllm.block_size={size}: vLLM's CPU attention takes multiples of 32 only (32 suits "
+            f"prompts of ~100 tokens; unset: 128)"
+        )
 
 
 def check_vllm_version(installed: str | None = None) -> str:

@@ -45,3 +45,22 @@ def test_the_server_accepts_only_the_vllm_release_it_is_tested_against():
         VllmVersionError, match=f"needs vLLM {SUPPORTED_VLLM}.x, .* has 0.11.0 \\(pip install vllm=="
     ):
         check_vllm_version("0.11.0")
+
+
+def test_a_kv_block_size_vllm_cpu_cannot_run_is_refused_naming_the_field():
+    from rollout_server.vllm_backend import check_vllm_settings
+    from shared.config import ConfigError, load_config
+    from tests.helpers import REPO
+
+    def cfg(size):
+        return load_config(REPO / "deploy/configs/cpu.toml", [f"server.vllm.block_size={size}"])
+
+    with pytest.raises(
+        ConfigError, match=r"^server.vllm.block_size=16: vLLM's CPU attention takes multiples"
+    ):
+        check_vllm_settings(cfg(16), cuda=False)
+    check_vllm_settings(cfg(16), cuda=True)  # GPU attention backends take 16
+    check_vllm_settings(cfg(64), cuda=False)
+    unset = cfg(32)
+    unset.server.vllm.block_size = None  # vLLM's own choice
+    check_vllm_settings(unset, cuda=False)
