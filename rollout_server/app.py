@@ -92,6 +92,7 @@ class Server:
         self.evaluations: set[asyncio.Task] = set()  # /v1/generate work in flight
         self.openai = OpenAIState(cfg.server.openai_max_sequences)  # the OpenAI endpoints' slots
         self.shutting_down = False
+        self.producer_task: asyncio.Task | None = None  # producer.run(), once the app has started
 
     def prompt_ids(self, prompt: str) -> list[int]:
         """A prompt as the token ids the model sees: rendered as a training prompt without its row (the
@@ -106,10 +107,13 @@ class Server:
         return len(self.backend.tokenizer)
 
     def begin_shutdown(self) -> None:
-        """SIGTERM: evaluation requests end now (503) rather than hold the shutdown for minutes."""
+        """SIGTERM: evaluation requests end now (503) rather than hold the shutdown for minutes; a waiting
+        pull answers "no groups"; no new generation batch starts."""
         self.shutting_down = True
         for task in self.evaluations:
             task.cancel()
+        self.queue.close()
+        self.producer.halt()
 
 
 def body_limit(cfg: TandemConfig) -> Callable[[str], int]:
@@ -139,7 +143,7 @@ def create_app(
         await server.policy.restore()
         app.state.loop = asyncio.get_running_loop()
         app.state.server = server
-        task = asyncio.create_task(server.producer.run())
+        task = server.producer_task = asyncio.create_task(server.producer.run())
         task.add_done_callback(lambda t: _producer_done(server, t, on_fatal))
         log.info(
             "ready: serving policy v%d on %s:%d", server.policy.version, cfg.server.host, cfg.server.port
@@ -184,7 +188,10 @@ def _openai_or(handler):
 
 
 def _producer_done(server: Server, task: asyncio.Task, on_fatal: Callable[[], None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
+    if not task.cancelled() and task.exception() is not None and server.shutting_down:
+        # the stop signal reached the engine's own processes too (a process group, a SLURM job step)
+        log.info("the engine stopped with the server (%s)", type(task.exception()).__name__)
+    elif not task.cancelled() and task.exception() is not None:
         server.failure = f"producer stopped: {task.exception()!r}"
         log.error("%s; exiting 1 to be restarted", server.failure, exc_info=task.exception())
         on_fatal()

@@ -90,6 +90,7 @@ class Producer:
         self._awake = asyncio.Event()
         self._awake.set()
         self._batch: asyncio.Task | None = None
+        self._halted = False  # server shutdown: no new batch
 
     # -- cursor --------------------------------------------------------------------------------------
     def _save_cursor(self) -> None:
@@ -143,16 +144,20 @@ class Producer:
         self.events.write("wake")
 
     # -- the loop ------------------------------------------------------------------------------------
+    def halt(self) -> None:
+        """Start no batch after the one in flight (server shutdown; stop() then cancels that one)."""
+        self._halted = True
+
     async def stop(self) -> None:
         if self._batch is not None and not self._batch.done():
             self._batch.cancel()
             await asyncio.wait({self._batch})
 
     async def run(self) -> None:
-        while True:
+        while not self._halted:
             await self._awake.wait()
             await self.queue.wait_for_space()
-            if self.sleeping:
+            if self.sleeping or self._halted:
                 continue
             batch = self._peek(min(self.cfg.server.prompts_per_batch, self.queue.space()))
             adapter = self.policy.acquire()
@@ -164,11 +169,15 @@ class Producer:
             if self._batch.cancelled():
                 continue  # put to sleep mid-batch: the same prompts go again after the wake
             if isinstance(self._batch.exception(), GenerationAborted):
+                if self._halted:
+                    return  # the engine aborted it on the same stop signal as the server
                 log.warning(
                     "generation batch aborted by the engine (%s); its prompts go again",
                     self._batch.exception(),
                 )
                 continue
+            if self._halted:
+                return  # shutting down: nobody will pull these; the prompts go again at the restart
             groups = self._batch.result()
             await self.queue.put(groups)
             self._advance(len(batch))

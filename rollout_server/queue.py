@@ -44,6 +44,7 @@ class LeaseQueue:
         self._leases: dict[str, _Lease] = {}
         self._expired: dict[str, list[str]] = {}  # lease id -> group ids returned to the queue
         self._changed = asyncio.Condition()
+        self.closed = False  # the server is shutting down: pulls answer at once
         self.expired_total = 0  # groups returned by expiry
         self.acked_total = 0
 
@@ -79,6 +80,11 @@ class LeaseQueue:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout=timeout)
 
+    def close(self) -> None:
+        """Shutdown: a pull waiting for groups answers "none" within a second, as at the end of its wait,
+        rather than hold the shutdown and end as a 500 when the server gives up on it."""
+        self.closed = True
+
     # -- learner side --------------------------------------------------------------------------------
     async def pull(self, max_groups: int, wait_s: float) -> tuple[str | None, list[ScoredGroup]]:
         deadline = self._clock() + wait_s
@@ -88,7 +94,7 @@ class LeaseQueue:
                 if self._ready:
                     break
                 remaining = deadline - self._clock()
-                if remaining <= 0:
+                if remaining <= 0 or self.closed:
                     return None, []
                 await self._wait(min(remaining, 1.0))
             groups = [self._ready.popleft() for _ in range(min(max_groups, len(self._ready)))]

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
 import uuid
 from collections import Counter
@@ -65,12 +66,27 @@ def shorten_idle_spin(seconds: float) -> bool:
     return True
 
 
+def leave_stop_signals_to_the_engine() -> bool:
+    """Ignore SIGTERM and SIGINT in this (worker) process.
+
+    SLURM's scancel signals every process of a job step and Ctrl-C reaches the whole process group: vLLM's
+    worker died at once, mid-step, and its engine core reported a fatal error (~60 lines of traceback) that
+    the server took for a dead engine. Ignored here, the engine core still ends the worker as it ends
+    itself (on the same signal, or when the server closes the engine). Returns True."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return True
+
+
 class TandemWorker(MergeWorker):
-    """The worker extension: MergeWorker's `tandem_merge` (merged-weight serving), and `tandem_idle_spin`,
-    called once after the engine starts."""
+    """The worker extension: MergeWorker's `tandem_merge` (merged-weight serving), and `tandem_idle_spin`
+    and `tandem_ignore_stop_signals`, called once after the engine starts."""
 
     def tandem_idle_spin(self, seconds: float) -> bool:
         return shorten_idle_spin(seconds)
+
+    def tandem_ignore_stop_signals(self) -> bool:
+        return leave_stop_signals_to_the_engine()
 
 
 class VllmVersionError(RuntimeError):
@@ -305,6 +321,7 @@ class VllmBackend:
             log.info("vLLM worker: busy-polls %g s after its last message (vLLM's default: 1 s)", IDLE_SPIN_S)
         else:
             log.info("vLLM worker: no idle busy-poll found to bound in this vLLM; left as it is")
+        await engine.collective_rpc("tandem_ignore_stop_signals")
         return cls(
             engine,
             engine.get_tokenizer(),

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from rollout_server.app import _generate_in_chunks
+from rollout_server.backend import GenerationAborted
 from rollout_server.producer import StateError, load_cursor
 from shared.config import TandemConfig
 from shared.datasets import epoch_order
@@ -37,6 +39,70 @@ def test_sigterm_cancels_an_evaluation_in_flight_with_503(tmp_path, monkeypatch)
         app.state.loop.call_later(0.5, app.state.server.begin_shutdown)  # what the SIGTERM handler does
         r = c.post("/v1/generate", json={"prompts": ["What is 1 + 1?"], "n": 2})
     assert r.status_code == 503 and r.json()["detail"] == "the server is shutting down"
+
+
+class _StopsWithTheServer(FakeBackend):
+    """An engine whose processes get the server's stop signal too (a process group, a SLURM job step):
+    the batch in flight waits until `signalled` is set, then ends aborted or with the engine dead."""
+
+    def __init__(self, ending: str):
+        super().__init__()
+        self.ending, self.signalled = ending, asyncio.Event()
+
+    async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True):
+        self.calls.append((len(prompts), n))
+        await self.signalled.wait()
+        if self.ending == "aborted":
+            raise GenerationAborted("the engine did not finish the request (abort)")
+        raise RuntimeError("EngineCore encountered an issue")
+
+
+@pytest.mark.parametrize("ending", ["aborted", "engine dead"])
+def test_a_stop_signal_that_reaches_the_engine_too_is_a_clean_shutdown(tmp_path, monkeypatch, caplog, ending):
+    """A long-polling pull answers "no groups" at once (it used to wait out server.shutdown_s and end as
+    a 500, which stopped the learner); the engine's end is not taken for a failure (exit 1 and a
+    restart) nor warned about; no new batch starts."""
+    monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
+    caplog.set_level("INFO", logger="tandem.server")
+    backend, fatal = _StopsWithTheServer(ending), []
+    app = fake_app(tmp_path, backend, on_fatal=lambda: fatal.append(1))
+    with TestClient(app) as c:
+        loop, server = app.state.loop, app.state.server
+        loop.call_later(0.5, server.begin_shutdown)  # what the SIGTERM handler does
+        loop.call_later(0.6, backend.signalled.set)
+        t0 = time.monotonic()
+        r = c.post("/v1/groups/pull", json={"max_groups": 2, "wait_s": 30})
+        waited = time.monotonic() - t0
+        for _ in range(40):  # the producer's end
+            if server.producer_task.done():
+                break
+            time.sleep(0.05)
+    assert r.status_code == 200 and r.json()["groups"] == [] and waited < 3
+    assert server.producer_task.done() and fatal == [] and server.failure is None
+    assert backend.calls == [(2, 4)]  # the batch in flight, and no other after the stop
+    assert [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")] == []
+
+
+def test_an_engine_failing_during_shutdown_is_no_reason_to_be_restarted():
+    """The producer can also meet the dead engine outside a batch (a weight switch as it lets go of an
+    adapter): during a shutdown that is the stop signal's doing, not a failure (exit 1)."""
+    from types import SimpleNamespace
+
+    from rollout_server.app import _producer_done
+
+    async def dies():
+        raise RuntimeError("EngineCore encountered an issue")
+
+    async def main():
+        task = asyncio.create_task(dies())
+        await asyncio.wait({task})
+        return task
+
+    task = asyncio.run(main())
+    for shutting_down, fatal in [(True, []), (False, [1])]:
+        server, calls = SimpleNamespace(shutting_down=shutting_down, failure=None), []
+        _producer_done(server, task, lambda calls=calls: calls.append(1))
+        assert calls == fatal and (server.failure is None) == shutting_down
 
 
 def test_an_evaluation_past_its_time_limit_gets_504(tmp_path, monkeypatch):

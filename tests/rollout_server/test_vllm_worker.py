@@ -87,4 +87,31 @@ def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(
     asyncio.run(VllmBackend.create(cfg, "/models/m"))
     assert args.get("block_size") == block_size  # unset: not passed, vLLM chooses
     assert args["worker_extension_cls"] == "rollout_server.vllm_backend.TandemWorker"
-    assert engine.rpcs == [("tandem_idle_spin", (IDLE_SPIN_S,))]
+    assert engine.rpcs == [("tandem_idle_spin", (IDLE_SPIN_S,)), ("tandem_ignore_stop_signals", ())]
+
+
+def test_a_worker_outlives_a_stop_signal_meant_for_the_whole_process_group():
+    """SIGTERM and SIGINT sent to every process (scancel, Ctrl-C) leave the worker to its engine core: the
+    process that made itself a worker survives both; one that did not dies of the first."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    def survives(shielded: bool) -> bool:
+        code = (
+            "import os, signal, time\n"
+            "from rollout_server.vllm_backend import leave_stop_signals_to_the_engine as shield\n"
+            f"assert {shielded} is False or shield()\n"
+            "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
+            "print('alive')\n"
+        )
+        run = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        alive = run.stdout.strip() == "alive"
+        assert (run.returncode == 0) == alive, run.stderr
+        return alive
+
+    assert survives(True)
+    assert not survives(False)
