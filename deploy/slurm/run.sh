@@ -42,6 +42,13 @@ if [ -z "${SLURM_JOB_ID:-}" ] && [ -z "${CUDA_VISIBLE_DEVICES:-}" ]; then
   echo "run.sh: $role on GPU(s) $CUDA_VISIBLE_DEVICES ($placement placement; set CUDA_VISIBLE_DEVICES to choose)"
 fi
 
+reap() {  # wait for process $pid through the signals that cut `wait` short (trapped below); its exit status
+  while kill -0 "$pid" 2>/dev/null; do
+    wait "$pid" 2>/dev/null || true
+  done
+  wait "$pid"  # bash keeps the status of a child it has reaped
+}
+
 case "$role" in
 server)
   host=${TANDEM_HOST:-$(hostname -f 2>/dev/null || hostname)}
@@ -58,14 +65,16 @@ server)
   "$py" -m rollout_server --config "$config" --server.host=0.0.0.0 --server.port="$port" \
     --server.state_dir="$state_dir" "${shard_args[@]}" "$@" &
   pid=$!
-  trap 'kill -TERM "$pid" 2>/dev/null; wait "$pid"' TERM INT
+  trap 'kill -TERM "$pid" 2>/dev/null' TERM INT  # forwarded; reap below waits for the server's end
   until "$py" -c "import urllib.request, sys; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=5)" 2>/dev/null; do
     kill -0 "$pid" 2>/dev/null || { echo "run.sh: the rollout server exited before it was healthy" >&2; wait "$pid"; exit 1; }
     sleep 3
   done
   echo "http://$host:$port" > "$url_file.tmp" && mv "$url_file.tmp" "$url_file"
   echo "run.sh: rollout server healthy at $(cat "$url_file")"
-  wait "$pid"
+  rc=0
+  reap || rc=$?
+  exit "$rc"  # the server's own status, also when the job was cancelled (a clean stop: 0)
   ;;
 learner)
   waited=0
@@ -102,13 +111,6 @@ learner)
   poll_s=${TANDEM_URL_POLL_S:-10}  # whole seconds
   pid="" stopping=0
   trap 'stopping=1; [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null' TERM INT
-  reap() {  # wait for the learner, through signals that interrupt `wait`; its exit status
-    local rc
-    while :; do
-      wait "$pid" && rc=0 || rc=$?
-      kill -0 "$pid" 2>/dev/null || return "$rc"
-    done
-  }
   urls=$(urls_now)
   while :; do
     echo "run.sh: learner connecting to $urls"

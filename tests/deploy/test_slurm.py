@@ -1,6 +1,7 @@
 """The SLURM launch logic, on one machine: the server job publishes its URL in the run folder and the
 learner job finds it there."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -248,3 +249,68 @@ def test_learner_follows_one_of_several_servers(tmp_path):
     finally:
         job.kill()
     assert job.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_server_job_resubmitted_elsewhere_is_followed_by_the_learner_job(tmp_path):
+    """The real thing on one machine: server job A is stopped as `scancel` stops it (SIGTERM to all its
+    processes) after the learner's step 2, and comes back as job B at another URL with the same run folder;
+    the learner job follows it there, resumes at step 2 and finishes. A ends cleanly (exit 0)."""
+    small = [
+        "--sampling.group_size=2",
+        "--sampling.max_new_tokens=8",
+        "--server.prompts_per_batch=2",
+        "--server.backend=hf",
+        "--server.host=127.0.0.1",
+    ]
+    common = dict(TANDEM_RUN_DIR=str(tmp_path), TANDEM_PYTHON=sys.executable, OMP_NUM_THREADS="1")
+
+    def server_job(port: int) -> subprocess.Popen:
+        env = proc_env(TANDEM_PORT=str(port), TANDEM_HOST="127.0.0.1", **common)
+        return subprocess.Popen(
+            ["deploy/slurm/run.sh", "server", "deploy/configs/cpu.toml", *small],
+            env=env,
+            cwd=REPO,
+            stdout=(tmp_path / f"server-{port}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    first, second = free_port(), free_port()
+    log = tmp_path / "learner-job.log"
+    jobs = [server_job(first)]
+    learner = subprocess.Popen(
+        [
+            "deploy/slurm/run.sh", "learner", "deploy/configs/cpu.toml", *small,
+            "--learner.steps=4", "--learner.prompts_per_step=2", "--learner.micro_batch_size=2",
+            "--learner.grad_accum=2", "--learner.dynamic_sampling=false",
+        ],
+        env=proc_env(TANDEM_URL_POLL_S="1", **common),
+        cwd=REPO,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while "step    2/" not in log.read_text() and time.monotonic() < deadline:
+            assert learner.poll() is None, log.read_text()[-3000:]
+            time.sleep(1)
+        os.killpg(jobs[0].pid, 15)  # scancel: every process of the job
+        assert jobs[0].wait(timeout=120) == 0, (tmp_path / f"server-{first}.log").read_text()[-3000:]
+        jobs.append(server_job(second))
+        assert learner.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        learner.kill()
+        for job in jobs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.pid, 15)
+            job.wait(timeout=60)
+    out = log.read_text()
+    assert f"the rollout server moved to http://127.0.0.1:{second}" in out
+    assert "resumed from" in out and "at step 2" in out
+    assert "step    4/4" in out
+    steps = [
+        json.loads(line)["step"] for line in (tmp_path / "learner" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert steps == [1, 2, 3, 4]
+    assert (tmp_path / "server" / "adapters" / "v4").is_dir()  # published to job B
