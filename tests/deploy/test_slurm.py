@@ -14,6 +14,20 @@ import pytest
 from tests.helpers import REPO, free_port, proc_env
 
 SCRIPTS = sorted((REPO / "deploy" / "slurm").iterdir())
+# A tiny run on the hf backend, for the jobs that start real processes; the learner's part after LEARNER.
+SMALL = [
+    "--sampling.group_size=2",
+    "--sampling.max_new_tokens=8",
+    "--server.prompts_per_batch=2",
+    "--server.backend=hf",
+    "--server.host=127.0.0.1",
+]
+LEARNER = [
+    "--learner.prompts_per_step=2",
+    "--learner.micro_batch_size=2",
+    "--learner.grad_accum=2",
+    "--learner.dynamic_sampling=false",
+]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -35,19 +49,24 @@ def test_learner_gives_up_clearly_without_a_server(tmp_path):
     assert out.returncode == 1 and "server_url" in out.stderr
 
 
+def _server_job(env: dict[str, str], log: Path) -> subprocess.Popen:
+    """run.sh server on SMALL, in a session of its own (as a job: a signal can reach all its processes)."""
+    return subprocess.Popen(
+        ["deploy/slurm/run.sh", "server", "deploy/configs/cpu.toml", *SMALL],
+        env=env,
+        cwd=REPO,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("servers", [1, 2])
 def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path, servers):
     """N server jobs (TANDEM_NUM_SERVERS, each its shard: TANDEM_SHARD as a job array's task id would be)
     and the learner job find each other through the run folder; every server gets the published v1."""
     ports = [free_port() for _ in range(servers)]
-    small = [
-        "--sampling.group_size=2",
-        "--sampling.max_new_tokens=8",
-        "--server.prompts_per_batch=2",
-        "--server.backend=hf",
-        "--server.host=127.0.0.1",
-    ]
     started = []
     for k, port in enumerate(ports):
         env = proc_env(
@@ -55,16 +74,7 @@ def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path, server
             TANDEM_PYTHON=sys.executable, OMP_NUM_THREADS="1", TANDEM_NUM_SERVERS=str(servers),
             TANDEM_SHARD=str(k),
         )  # fmt: skip
-        started.append(
-            subprocess.Popen(
-                ["deploy/slurm/run.sh", "server", "deploy/configs/cpu.toml", *small],
-                env=env,
-                cwd=REPO,
-                stdout=(tmp_path / f"server{k}.log").open("wb"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
+        started.append(_server_job(env, tmp_path / f"server{k}.log"))
     env = proc_env(TANDEM_RUN_DIR=str(tmp_path), TANDEM_PYTHON=sys.executable, OMP_NUM_THREADS="1",
                    TANDEM_NUM_SERVERS=str(servers))  # fmt: skip
     try:
@@ -73,12 +83,9 @@ def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path, server
                 "deploy/slurm/run.sh",
                 "learner",
                 "deploy/configs/cpu.toml",
-                *small,
+                *SMALL,
+                *LEARNER,
                 "--learner.steps=1",
-                "--learner.prompts_per_step=2",
-                "--learner.micro_batch_size=2",
-                "--learner.grad_accum=2",
-                "--learner.dynamic_sampling=false",
             ],
             env=env,
             cwd=REPO,
@@ -256,40 +263,22 @@ def test_a_server_job_resubmitted_elsewhere_is_followed_by_the_learner_job(tmp_p
     """The real thing on one machine: server job A is stopped as `scancel` stops it (SIGTERM to all its
     processes) after the learner's step 2, and comes back as job B at another URL with the same run folder;
     the learner job follows it there, resumes at step 2 and finishes. A ends cleanly (exit 0)."""
-    small = [
-        "--sampling.group_size=2",
-        "--sampling.max_new_tokens=8",
-        "--server.prompts_per_batch=2",
-        "--server.backend=hf",
-        "--server.host=127.0.0.1",
-    ]
     common = dict(TANDEM_RUN_DIR=str(tmp_path), TANDEM_PYTHON=sys.executable, OMP_NUM_THREADS="1")
 
     def server_job(port: int) -> subprocess.Popen:
         env = proc_env(TANDEM_PORT=str(port), TANDEM_HOST="127.0.0.1", **common)
-        return subprocess.Popen(
-            ["deploy/slurm/run.sh", "server", "deploy/configs/cpu.toml", *small],
-            env=env,
-            cwd=REPO,
-            stdout=(tmp_path / f"server-{port}.log").open("wb"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        return _server_job(env, tmp_path / f"server-{port}.log")
 
     first, second = free_port(), free_port()
     log = tmp_path / "learner-job.log"
     jobs = [server_job(first)]
     learner = subprocess.Popen(
-        [
-            "deploy/slurm/run.sh", "learner", "deploy/configs/cpu.toml", *small,
-            "--learner.steps=4", "--learner.prompts_per_step=2", "--learner.micro_batch_size=2",
-            "--learner.grad_accum=2", "--learner.dynamic_sampling=false",
-        ],
+        ["deploy/slurm/run.sh", "learner", "deploy/configs/cpu.toml", *SMALL, *LEARNER, "--learner.steps=4"],
         env=proc_env(TANDEM_URL_POLL_S="1", **common),
         cwd=REPO,
         stdout=log.open("wb"),
         stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 600
         while "step    2/" not in log.read_text() and time.monotonic() < deadline:
