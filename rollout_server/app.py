@@ -188,10 +188,12 @@ def _openai_or(handler):
 
 
 def _producer_done(server: Server, task: asyncio.Task, on_fatal: Callable[[], None]) -> None:
-    if not task.cancelled() and task.exception() is not None and server.shutting_down:
+    if task.cancelled() or task.exception() is None:
+        return
+    if server.shutting_down:
         # the stop signal reached the engine's own processes too (a process group, a SLURM job step)
         log.info("the engine stopped with the server (%s)", type(task.exception()).__name__)
-    elif not task.cancelled() and task.exception() is not None:
+    else:
         server.failure = f"producer stopped: {task.exception()!r}"
         log.error("%s; exiting 1 to be restarted", server.failure, exc_info=task.exception())
         on_fatal()

@@ -168,16 +168,14 @@ class Producer:
                 await self.policy.release(adapter)
             if self._batch.cancelled():
                 continue  # put to sleep mid-batch: the same prompts go again after the wake
-            if isinstance(self._batch.exception(), GenerationAborted):
-                if self._halted:
-                    return  # the engine aborted it on the same stop signal as the server
-                log.warning(
-                    "generation batch aborted by the engine (%s); its prompts go again",
-                    self._batch.exception(),
-                )
-                continue
+            error = self._batch.exception()
             if self._halted:
-                return  # shutting down: nobody will pull these; the prompts go again at the restart
+                # Shutting down, however the batch ended (the engine may have aborted it or died on the
+                # same stop signal): nobody will pull its groups; its prompts go again at the restart.
+                return
+            if isinstance(error, GenerationAborted):
+                log.warning("generation batch aborted by the engine (%s); its prompts go again", error)
+                continue
             groups = self._batch.result()
             await self.queue.put(groups)
             self._advance(len(batch))
