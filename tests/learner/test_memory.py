@@ -22,7 +22,8 @@ for _ in range(20):
     del x
 print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
-PAGES = 20 * 64 * 2**20 // 4096  # of twenty 64 MiB allocations, in 4 KiB pages
+ONE = 64 * 2**20 // 4096  # pages of one 64 MiB allocation, in 4 KiB pages
+PAGES = 20 * ONE  # of all twenty
 
 
 def faults(keep: bool) -> tuple[str, int]:
@@ -40,4 +41,6 @@ def test_freed_memory_is_reused_without_faulting_its_pages_in_again():
     assert n > 0.9 * PAGES  # glibc's default: each allocation is a fresh mapping, every page faults
     kept, n = faults(keep=True)
     assert kept == "True"
-    assert n < 0.1 * PAGES  # the odd one may still extend the heap (a small block landed after the hole)
+    # The odd one may still extend the heap and fault its pages: a small block took the start of the hole
+    # the last one left. Seen here: none in most runs, one or two in some (CI, 2026-12-04: exactly two).
+    assert n <= 4 * ONE, f"{n / ONE:.1f} of 20 allocations faulted their pages in"
