@@ -42,7 +42,7 @@ from rollout_server.guard import RequestGuard
 from rollout_server.metrics import ServerMetrics
 from rollout_server.openai_api import OpenAIError, OpenAIState, bounded
 from rollout_server.policy import Policy
-from rollout_server.producer import Producer, StateError, load_cursor
+from rollout_server.producer import Producer, StateError, load_cursor, load_queue, save_queue
 from rollout_server.queue import LeaseError, LeaseQueue
 from shared import protocol as P
 from shared.config import TandemConfig
@@ -72,6 +72,14 @@ class Server:
         }
         self.policy = Policy(backend, self.store, lambda f: validate_folder(f, **self.adapter_checks))
         self.queue = LeaseQueue(cfg.server.queue_size, cfg.server.lease_s)
+        self.queue_file = state_dir / "queue.json"  # the queue of the last run, saved as it stopped
+        ready, leases = load_queue(self.queue_file, cfg.model.name)
+        self.queue.restore(ready, leases)
+        if ready or leases:
+            log.info(
+                "took back the last run's queue: %d groups waiting, %d leased (%s)",
+                len(ready), sum(len(g) for g in leases.values()), self.queue_file,
+            )  # fmt: skip
         self.metrics = ServerMetrics(self.queue, self.policy)
         self.events = EventLog(state_dir / "events.jsonl")
         self.rewards = RewardRunner(
@@ -145,12 +153,15 @@ def create_app(
         app.state.server = server
         task = server.producer_task = asyncio.create_task(server.producer.run())
         task.add_done_callback(lambda t: _producer_done(server, t, on_fatal))
+        server.queue_file.unlink(missing_ok=True)  # in memory now: a crash from here on must not restore it
         log.info(
             "ready: serving policy v%d on %s:%d", server.policy.version, cfg.server.host, cfg.server.port
         )
         yield
         task.cancel()
         await server.producer.stop()
+        if saved := save_queue(server.queue_file, server.queue, cfg.model.name):
+            log.info("saved the queue's %d groups for the next start (%s)", saved, server.queue_file)
         await server.rewards.close()
         await server.backend.close()
 
@@ -422,8 +433,8 @@ async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
 
 def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
     """What must hold before the engine starts (minutes on a GPU): the vLLM version, the model, the
-    data, the reward functions, a readable cursor. Raises the errors serve() turns into `error: ...` and
-    exit 2."""
+    data, the reward functions, a readable cursor and saved queue. Raises the errors serve() turns into
+    `error: ...` and exit 2."""
     from transformers import AutoTokenizer
 
     from rollout_server.vllm_backend import check_vllm_settings, check_vllm_version  # import no vllm
@@ -459,6 +470,7 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
             f"no {cfg.data.task} problem fits within model.max_model_len={cfg.model.max_model_len}"
         )
     load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))
+    load_queue(Path(cfg.server.state_dir) / "queue.json", cfg.model.name)
     log.info("%d %s problems (%s split%s); rewards: %s", len(problems), cfg.data.task, cfg.data.split,
              f", shard {shard[0]} of {shard[1]}" if shard[1] > 1 else "",
              ", ".join(cfg.reward.functions))  # fmt: skip

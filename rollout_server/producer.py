@@ -3,7 +3,9 @@ stamped with the policy version that produced them -> the lease queue.
 
 Production pauses while the queue is full and while asleep. A sleep cancels the batch in flight; its
 prompts are not counted as consumed, so they are generated again after the wake. The cursor (epoch,
-position) is saved after every batch, so a restarted server continues where it was.
+position) is saved after every batch, so a restarted server continues where it was; a server that stops
+saves its queue (groups waiting and leased) and takes it back when it starts again, so the prompts the
+cursor has passed are trained on once, not skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from rollout_server.backend import GenerationAborted, RolloutBackend
 from rollout_server.events import EventLog
@@ -62,6 +66,41 @@ def load_cursor(path: Path, num_problems: int) -> Cursor:
             f"problems: {fix}"
         )
     return Cursor(epoch, position)
+
+
+def save_queue(path: Path, queue: LeaseQueue, model: str) -> int:
+    """At shutdown: the groups in `queue`, waiting and leased, to `path` (none: no file). Returns how many."""
+    ready, leases = queue.contents()
+    n = len(ready) + sum(len(g) for g in leases.values())
+    if n:
+        dump = lambda groups: [g.model_dump(mode="json") for g in groups]  # noqa: E731
+        saved = {"model": model, "ready": dump(ready), "leases": {k: dump(v) for k, v in leases.items()}}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(saved))
+        tmp.replace(path)
+    return n
+
+
+def load_queue(path: Path, model: str) -> tuple[list[ScoredGroup], dict[str, list[ScoredGroup]]]:
+    """The groups save_queue left at `path`: those waiting, and the leased ones by lease id. Nothing when
+    there is no file, or when it was saved for another model (its token ids would mean other text)."""
+    if not path.is_file():
+        return [], {}
+    fix = "delete it to start with an empty queue (its groups' prompts then come round next epoch)"
+    try:
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict):
+            raise StateError(f"{path} must hold a JSON object, not {type(saved).__name__}: {fix}")
+        if saved.get("model") != model:
+            log.warning("%s holds groups of model %r, not %r; dropped", path, saved.get("model"), model)
+            return [], {}
+        ready = [ScoredGroup.model_validate(g) for g in saved["ready"]]
+        leases = {str(k): [ScoredGroup.model_validate(g) for g in v] for k, v in saved["leases"].items()}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StateError(f"{path} is not readable JSON ({type(e).__name__}): {fix}") from None
+    except (KeyError, TypeError, AttributeError, ValidationError) as e:
+        raise StateError(f"{path} does not hold scored groups ({type(e).__name__}): {fix}") from None
+    return ready, leases
 
 
 class Producer:

@@ -80,6 +80,20 @@ class LeaseQueue:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout=timeout)
 
+    # -- a graceful restart: what a stopping server saves and a starting one takes back --------------
+    def contents(self) -> tuple[list[ScoredGroup], dict[str, list[ScoredGroup]]]:
+        """The groups waiting, in order, and the leased ones by lease id."""
+        self.expire()
+        return list(self._ready), {k: list(v.groups) for k, v in self._leases.items()}
+
+    def restore(self, ready: list[ScoredGroup], leases: dict[str, list[ScoredGroup]]) -> None:
+        """Take back what contents() gave a server before its restart, in front of anything queued since.
+        A lease comes back with a whole lease_s to run: its learner may still ack or release it."""
+        self._ready.extendleft(reversed(ready))
+        deadline = self._clock() + self.lease_s
+        for lease_id, groups in leases.items():
+            self._leases[lease_id] = _Lease(list(groups), deadline)
+
     def close(self) -> None:
         """Shutdown: a pull waiting for groups answers "none" within a second, as at the end of its wait,
         rather than hold the shutdown and end as a 500 when the server gives up on it."""

@@ -228,7 +228,9 @@ class ServerConfig(_Section):
     )
     prompts_per_batch: int = Field(default=8, ge=1, description="prompts sent to the backend at once")
     lease_s: float = Field(default=300.0, gt=0, description="un-acked groups return to the queue after this")
-    state_dir: str = Field(default="runs/server", description="cursor and adapter store")
+    state_dir: str = Field(
+        default="runs/server", description="cursor, adapter store, and the queue a stopped server saved"
+    )
     adapter_root: str | None = Field(default=None, description="folder publish-by-path may read under")
     max_adapter_mb: float = Field(default=512.0, gt=0)
     max_lora_rank: int = Field(default=16, ge=1)

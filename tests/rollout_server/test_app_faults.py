@@ -1,6 +1,6 @@
 """The server app's fault handling on a deterministic fake engine, in process (fast): a producer that dies
 takes the server down for its supervisor, SIGTERM ends evaluation requests at once, a large evaluation
-request reaches the engine in batch-sized chunks, and a damaged cursor is named."""
+request reaches the engine in batch-sized chunks, a damaged cursor is named, and a restart keeps the queue."""
 
 from __future__ import annotations
 
@@ -223,3 +223,46 @@ def test_serve_exits_1_when_the_producer_dies_so_a_supervisor_restarts_it(tmp_pa
         signal.alarm(0)
         for s, h in handlers.items():
             signal.signal(s, h)
+
+
+def test_a_restarted_server_takes_back_its_queue_and_its_learner_s_lease(tmp_path, monkeypatch):
+    """Groups the cursor has passed are not lost with a stop: the next start serves the waiting ones first,
+    in order, and the learner's lease from before still acks."""
+    monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
+    app = fake_app(tmp_path, FakeBackend(), queue_size=6)
+    with TestClient(app) as c:
+        lease = c.post("/v1/groups/pull", json={"max_groups": 2, "wait_s": 10}).json()
+        queue = app.state.server.queue
+        for _ in range(200):
+            if queue.depth == 6:
+                break
+            time.sleep(0.02)
+        waiting = [g.group_id for g in queue.contents()[0]]
+    saved = tmp_path / "state" / "queue.json"
+    assert len(waiting) == 6 and saved.is_file()
+
+    backend = FakeBackend(release=asyncio.Event())  # makes no new group: its first batch never ends
+    with TestClient(fake_app(tmp_path, backend, queue_size=6)) as c:
+        assert not saved.exists()  # taken back: a crash from now on must not bring it back again
+        got = c.post("/v1/groups/pull", json={"max_groups": 10, "wait_s": 0}).json()["groups"]
+        assert [g["group_id"] for g in got] == waiting
+        assert c.post("/v1/groups/ack", json={"lease_id": lease["lease_id"]}).json() == {"acked": 2}
+
+
+def test_a_saved_queue_of_another_model_is_dropped_and_a_damaged_one_named(tmp_path, caplog):
+    from rollout_server.producer import load_queue
+
+    path = tmp_path / "queue.json"
+    path.write_text(json.dumps({"model": "other-model", "ready": [{"not": "a group"}], "leases": {}}))
+    assert load_queue(path, "smollm2-135m") == ([], {})
+    assert "holds groups of model 'other-model', not 'smollm2-135m'; dropped" in caplog.text
+    for content, says in [
+        ('{"model": "smollm2-135m", "ready": [', "is not readable JSON (JSONDecodeError)"),
+        ('{"model": "smollm2-135m", "ready": [{"not": "a group"}], "leases": {}}', "(ValidationError)"),
+        ('{"model": "smollm2-135m", "ready": []}', "(KeyError)"),
+    ]:
+        path.write_text(content)
+        with pytest.raises(StateError) as e:
+            load_queue(path, "smollm2-135m")
+        assert str(e.value).startswith(str(path)) and says in str(e.value)
+        assert "delete it to start with an empty queue" in str(e.value)

@@ -115,3 +115,28 @@ def test_release_returns_groups_to_the_front_at_once():
             await q.release("never-issued")
 
     run(body())
+
+
+def test_a_queue_given_back_after_a_restart_keeps_its_order_and_its_leases():
+    async def body():
+        clock = Clock()
+        old = LeaseQueue(capacity=10, lease_s=5.0, clock=clock)
+        await old.put([_group(i) for i in range(5)])
+        lease_id, _ = await old.pull(2, wait_s=0)
+        clock.t = 4.0  # one second of the lease left when the server stops
+        ready, leases = old.contents()
+        assert [g.group_id for g in ready] == ["g2", "g3", "g4"]
+        assert {k: [g.group_id for g in v] for k, v in leases.items()} == {lease_id: ["g0", "g1"]}
+
+        new = LeaseQueue(capacity=10, lease_s=5.0, clock=clock)
+        await new.put([_group(9)])  # made by the new server before it took the old queue back
+        new.restore(ready, leases)
+        assert [g.group_id for g in new.contents()[0]] == ["g2", "g3", "g4", "g9"]
+        clock.t = 8.0  # past the old deadline, within a fresh lease_s
+        assert new.expire() == 0
+        assert await new.ack(lease_id) == 2  # the learner that held it acks as if nothing happened
+        clock.t = 20.0
+        _, got = await new.pull(10, wait_s=0)
+        assert [g.group_id for g in got] == ["g2", "g3", "g4", "g9"]  # nothing came back twice
+
+    run(body())
