@@ -502,3 +502,7 @@ class VllmBackend:
 
     async def close(self) -> None:
         self.engine.shutdown()
+        # Once is enough. Something keeps the engine alive until the interpreter's teardown, where its
+        # __del__ would shut it down again with vLLM's module globals already gone: "Exception ignored in
+        # AsyncLLM.__del__ ... TypeError: 'NoneType' object is not callable" at every server exit.
+        self.engine.shutdown = lambda *args, **kwargs: None

@@ -458,7 +458,8 @@ def test_sigterm_shuts_the_server_down_cleanly(server):
     assert proc.wait(timeout=90) == 0, proc.log()[-4000:]
     log = proc.log()
     assert "Application shutdown complete" in log
-    # No error during the graceful shutdown. (vLLM 0.32's AsyncLLM.__del__ may still print an ignored
-    # TypeError at interpreter exit, after the process is done; the exit code is 0 either way.)
-    shutdown = log[log.rindex("Shutting down") : log.rindex("Application shutdown complete")]
+    # No error during the graceful shutdown, nor at the interpreter's exit after it (vLLM 0.32's
+    # AsyncLLM.__del__ printed an ignored TypeError there, after the engine had been shut down once).
+    shutdown = log[log.rindex("Shutting down") :]
     assert "Traceback" not in shutdown and "ERROR" not in shutdown, log[-4000:]
+    assert "Exception ignored" not in shutdown, log[-4000:]
