@@ -169,7 +169,7 @@ class HFBackend:
                 pad_token_id=self._pad_id,
                 eos_token_id=eos,
                 stopping_criteria=_until(cancelled),
-                output_logits=request.logprobs is not None,
+                output_scores=request.logprobs is not None,  # after temperature and top_p: what was sampled
                 return_dict_in_generate=True,
             )
         new = out.sequences[0, len(prompt) :].tolist()
@@ -185,8 +185,10 @@ class HFBackend:
             new, text, finish = new[:k], text[:cut], "stop"
         lps = None
         if request.logprobs is not None:
-            logits = torch.stack(out.logits[: len(new)], dim=1)[0].float() / (request.temperature or 1.0)
-            lps = _logprobs(logits.log_softmax(-1), new, request.logprobs)
+            # generate's scores: the logits divided by the temperature, -inf outside top_p's nucleus (as
+            # vLLM's processed logprobs); at temperature 0 the model's own.
+            scores = torch.stack(out.scores[: len(new)], dim=1)[0].float()
+            lps = _logprobs(scores.log_softmax(-1), new, request.logprobs)
         return Piece(new, text, lps, finish, prompt_lps)
 
     async def stream(self, prompt, request, adapter):

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import math
 import re
 import time
 import uuid
@@ -48,6 +50,7 @@ LATEST = "latest"
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI: 5 for completions, 20 for chat)
 MAX_STOP = 16
 RETRIES = 3  # runs of a sequence that sleeps cut short before its first token
+IMPOSSIBLE = -9999.0  # the logprob written for -inf (a token top_p ruled out), as vLLM's OpenAI server does
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -387,12 +390,32 @@ async def _sequence(s, prompt: list[int], request: TextRequest, adapter) -> Asyn
             try:
                 async for piece in s.backend.stream(prompt, request, adapter):
                     started = True
-                    yield piece
+                    yield _finite(piece)
                 return
             except GenerationAborted:
                 if started or attempt == RETRIES:
                     raise
         await asyncio.sleep(0.05)  # the sleep is in progress: wait for the wake at the top of the loop
+
+
+def _finite(piece: Piece) -> Piece:
+    """A token outside top_p's nucleus has logprob -inf, which JSON cannot carry (it went out as null, and
+    a client adding logprobs up fails on it): such a logprob becomes IMPOSSIBLE, as vLLM's own OpenAI
+    server writes it."""
+
+    def clamp(lp: float) -> float:
+        return max(lp, IMPOSSIBLE) if math.isfinite(lp) else IMPOSSIBLE
+
+    def entry(e: TokenLogprob | None) -> TokenLogprob | None:
+        if e is None:
+            return None
+        return TokenLogprob(e.token_id, clamp(e.logprob), {t: clamp(lp) for t, lp in e.top.items()})
+
+    return dataclasses.replace(
+        piece,
+        logprobs=None if piece.logprobs is None else [entry(e) for e in piece.logprobs],
+        prompt_logprobs=None if piece.prompt_logprobs is None else [entry(e) for e in piece.prompt_logprobs],
+    )
 
 
 async def _merged(streams: list[AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:

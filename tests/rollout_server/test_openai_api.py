@@ -4,6 +4,7 @@ cap on evaluation sequences. test_openai_e2e.py drives a real vLLM server the sa
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -11,6 +12,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
+from rollout_server.backend import TokenLogprob
 from shared.datasets import chat_prompt_ids
 from tests.fakes import FakeBackend, FakeTokenizer, fake_app, tiny_adapter
 from tests.rollout_server.test_app import _publish
@@ -92,6 +94,35 @@ def test_completion_logprobs_and_echo_with_max_tokens_zero_score_the_prompt(tmp_
         assert both.choices[0].text == "de" + "uv"
         assert both.choices[0].logprobs.token_logprobs == [None, -1.0, -0.5, -0.5]
         assert both.choices[0].logprobs.text_offset == [0, 1, 2, 3]
+
+
+class _Nucleus(FakeBackend):
+    """As vLLM's processed logprobs with a small top_p: the alternatives outside the nucleus are -inf."""
+
+    async def stream(self, prompt, request, adapter):
+        async for piece in super().stream(prompt, request, adapter):
+            inf = [TokenLogprob(e.token_id, e.logprob, {t: float("-inf") if t != e.token_id else lp
+                                                       for t, lp in e.top.items()})
+                   for e in piece.logprobs or []]  # fmt: skip
+            yield dataclasses.replace(piece, logprobs=inf if piece.logprobs is not None else None)
+
+
+def test_a_logprob_of_minus_infinity_is_written_as_vllm_writes_it_not_as_null(tmp_path):
+    with TestClient(fake_app(tmp_path, _Nucleus())) as c:
+        sdk = _sdk(c)
+        out = sdk.completions.create(model="base", prompt="hi", max_tokens=2, top_p=0.1, logprobs=2)
+        assert out.choices[0].logprobs.top_logprobs == [
+            {"u": -0.5, "v": -9999.0, "w": -9999.0},
+            {"v": -0.5, "w": -9999.0, "x": -9999.0},
+        ]
+        streamed = sdk.completions.create(model="base", prompt="hi", max_tokens=1, logprobs=1, stream=True)
+        assert [ch.choices[0].logprobs.top_logprobs for ch in streamed] == [[{"u": -0.5, "v": -9999.0}]]
+        chat = sdk.chat.completions.create(
+            model="base", messages=[{"role": "user", "content": "hi"}], max_tokens=1, logprobs=True,
+            top_logprobs=2,
+        )  # fmt: skip
+        (tok,) = chat.choices[0].logprobs.content
+        assert [t.logprob for t in tok.top_logprobs] == [-0.5, -9999.0]
 
 
 def test_streamed_completions_add_up_to_the_whole_and_end_with_usage(tmp_path):

@@ -5,6 +5,7 @@ warm-up take a minute or more on CPU)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -388,6 +389,25 @@ def test_openai_sdk_reaches_every_version_with_the_openai_schemas(server, tokeni
         sdk.completions.create(model="policy-v9", prompt="hi")
     no_token = httpx.post(f"{client.url}/v1/completions", json={"model": "base", "prompt": "hi"})
     assert no_token.status_code == 401 and no_token.json()["error"]["type"] == "authentication_error"
+
+
+def test_sampled_logprobs_are_of_the_nucleus_top_p_samples_from(server):
+    """temperature 1, top_p 0.2, on a prompt whose every next token is more likely than 0.2 (checked
+    greedily first): the nucleus is that one token, so each logprob is 0 and every listed alternative
+    -9999 (vLLM's OpenAI convention for -inf). The hf backend gave the whole distribution's logprobs, and
+    the vLLM backend null for the alternatives."""
+    import openai
+
+    _, _, client, _ = server
+    sdk = openai.OpenAI(base_url=f"{client.url}/v1", api_key=TOKEN, max_retries=0, timeout=300)
+    ask = dict(model="base", prompt="The capital of France is", max_tokens=4, logprobs=3)
+    greedy = sdk.completions.create(**ask, temperature=0).choices[0]
+    assert all(lp > math.log(0.2) for lp in greedy.logprobs.token_logprobs), greedy.logprobs
+    nucleus = sdk.completions.create(**ask, temperature=1.0, top_p=0.2).choices[0]
+    assert nucleus.text == greedy.text
+    for lp, top in zip(nucleus.logprobs.token_logprobs, nucleus.logprobs.top_logprobs, strict=True):
+        assert abs(lp) < 1e-5
+        assert sorted(top.values()) == [-9999.0, -9999.0, lp], top  # the chosen one and two ruled out
 
 
 def test_lm_eval_harness_agrees_with_learner_evaluate(server, tmp_path, tokenizer, model_dir):
