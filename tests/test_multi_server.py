@@ -86,6 +86,9 @@ def _health(url: str) -> dict:
 
 def test_two_servers_split_the_prompts_and_feed_one_learner(tmp_path, procs, model_dir):
     urls = _servers(tmp_path, "vllm", procs)
+    # Both with groups before the learner starts: the learner pulls from whichever has some, and once the
+    # second server's first batch (the slowest: vLLM warms up) came after a whole 3-step run on the first's.
+    wait_for("a group on each server", lambda: all(_health(u)["queue_depth"] for u in urls), procs)
     out = tmp_path / "run"
     learner = _learner(urls, out, 3, tmp_path / "learner.log")
     procs.append(learner)
