@@ -73,12 +73,11 @@ class Server:
         self.policy = Policy(backend, self.store, lambda f: validate_folder(f, **self.adapter_checks))
         self.queue = LeaseQueue(cfg.server.queue_size, cfg.server.lease_s)
         self.queue_file = state_dir / "queue.json"  # the queue of the last run, saved as it stopped
-        ready, leases = load_queue(self.queue_file, cfg.model.name)
-        self.queue.restore(ready, leases)
-        if ready or leases:
+        self.queue.restore(*load_queue(self.queue_file, cfg.model.name))
+        if self.queue.depth or self.queue.leased:
             log.info(
                 "took back the last run's queue: %d groups waiting, %d leased (%s)",
-                len(ready), sum(len(g) for g in leases.values()), self.queue_file,
+                self.queue.depth, self.queue.leased, self.queue_file,
             )  # fmt: skip
         self.metrics = ServerMetrics(self.queue, self.policy)
         self.events = EventLog(state_dir / "events.jsonl")

@@ -43,17 +43,30 @@ class StateError(RuntimeError):
     """A file in server.state_dir is damaged; the message names it and says what to do."""
 
 
-def load_cursor(path: Path, num_problems: int) -> Cursor:
-    """The saved prompt cursor, checked: a fresh one when there is none, or when the dataset changed."""
-    if not path.is_file():
-        return Cursor()
-    fix = "delete it to start the prompt order over at epoch 0 (prompts already used come round again)"
+def _read_state(path: Path, fix: str) -> dict:
+    """A state file's JSON object; StateError naming the file and `fix` when it is not one."""
     try:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise StateError(f"{path} is not readable JSON ({type(e).__name__}): {fix}") from None
     if not isinstance(saved, dict):
         raise StateError(f"{path} must hold a JSON object, not {type(saved).__name__}: {fix}")
+    return saved
+
+
+def _write_state(path: Path, saved: dict) -> None:
+    """Whole or not at all: a crash mid-write leaves the previous file."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(saved))
+    tmp.replace(path)
+
+
+def load_cursor(path: Path, num_problems: int) -> Cursor:
+    """The saved prompt cursor, checked: a fresh one when there is none, or when the dataset changed."""
+    if not path.is_file():
+        return Cursor()
+    fix = "delete it to start the prompt order over at epoch 0 (prompts already used come round again)"
+    saved = _read_state(path, fix)
     epoch, position, size = saved.get("epoch"), saved.get("position"), saved.get("num_problems")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, position, size)):
         raise StateError(f"{path} lacks integer epoch, position and num_problems: {fix}")
@@ -71,13 +84,12 @@ def load_cursor(path: Path, num_problems: int) -> Cursor:
 def save_queue(path: Path, queue: LeaseQueue, model: str) -> int:
     """At shutdown: the groups in `queue`, waiting and leased, to `path` (none: no file). Returns how many."""
     ready, leases = queue.contents()
-    n = len(ready) + sum(len(g) for g in leases.values())
+    n = len(ready) + queue.leased
     if n:
         dump = lambda groups: [g.model_dump(mode="json") for g in groups]  # noqa: E731
-        saved = {"model": model, "ready": dump(ready), "leases": {k: dump(v) for k, v in leases.items()}}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(saved))
-        tmp.replace(path)
+        _write_state(
+            path, {"model": model, "ready": dump(ready), "leases": {k: dump(v) for k, v in leases.items()}}
+        )
     return n
 
 
@@ -87,17 +99,13 @@ def load_queue(path: Path, model: str) -> tuple[list[ScoredGroup], dict[str, lis
     if not path.is_file():
         return [], {}
     fix = "delete it to start with an empty queue (its groups' prompts then come round next epoch)"
+    saved = _read_state(path, fix)
+    if saved.get("model") != model:
+        log.warning("%s holds groups of model %r, not %r; dropped", path, saved.get("model"), model)
+        return [], {}
     try:
-        saved = json.loads(path.read_text())
-        if not isinstance(saved, dict):
-            raise StateError(f"{path} must hold a JSON object, not {type(saved).__name__}: {fix}")
-        if saved.get("model") != model:
-            log.warning("%s holds groups of model %r, not %r; dropped", path, saved.get("model"), model)
-            return [], {}
         ready = [ScoredGroup.model_validate(g) for g in saved["ready"]]
         leases = {str(k): [ScoredGroup.model_validate(g) for g in v] for k, v in saved["leases"].items()}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise StateError(f"{path} is not readable JSON ({type(e).__name__}): {fix}") from None
     except (KeyError, TypeError, AttributeError, ValidationError) as e:
         raise StateError(f"{path} does not hold scored groups ({type(e).__name__}): {fix}") from None
     return ready, leases
@@ -133,12 +141,10 @@ class Producer:
 
     # -- cursor --------------------------------------------------------------------------------------
     def _save_cursor(self) -> None:
-        tmp = self._cursor_file.with_suffix(".tmp")
         c = self.cursor
-        tmp.write_text(
-            json.dumps({"epoch": c.epoch, "position": c.position, "num_problems": len(self.problems)})
+        _write_state(
+            self._cursor_file, {"epoch": c.epoch, "position": c.position, "num_problems": len(self.problems)}
         )
-        tmp.replace(self._cursor_file)
 
     def _peek(self, k: int) -> list[tuple[int, Problem]]:
         """The next k problems (with their epoch) without consuming them."""
