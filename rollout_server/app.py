@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -22,7 +23,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import APIRouter, Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
-from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
+from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -171,7 +173,7 @@ def create_app(
     app.add_exception_handler(GenerationAborted, _openai_or(_aborted))
     app.add_exception_handler(LeaseError, _lease_error)
     app.add_exception_handler(HTTPException, _openai_or(http_exception_handler))
-    app.add_exception_handler(RequestValidationError, _openai_or(request_validation_exception_handler))
+    app.add_exception_handler(RequestValidationError, _openai_or(_invalid_request))
     app.add_exception_handler(OpenAIError, lambda request, exc: openai_api.error_response(exc))
     app.include_router(router)
     app.include_router(openai_api.router)
@@ -207,6 +209,24 @@ def _producer_done(server: Server, task: asyncio.Task, on_fatal: Callable[[], No
         server.failure = f"producer stopped: {task.exception()!r}"
         log.error("%s; exiting 1 to be restarted", server.failure, exc_info=task.exception())
         on_fatal()
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError):
+    """422 with the list of what is wrong, as FastAPI answers. Its `input` echoes the request, and Python's
+    JSON reader takes NaN and Infinity, which JSON cannot write back (FastAPI's own handler answered 500):
+    non-finite numbers are echoed as strings."""
+    return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
+
+
+def _json_safe(value):
+    """`value` with every non-finite float turned into its name ('nan', 'inf', '-inf')."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 async def _rejected(request: Request, exc: AdapterRejected):

@@ -110,7 +110,7 @@ def _no_op(value: Any, allowed: tuple, name: str) -> Any:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/Infinity are not JSON
 
     model: str = Field(min_length=1, description=f"'{BASE}', 'policy-v<N>', or '{LATEST}' (GET /v1/models)")
     temperature: float | None = Field(default=1.0, ge=0, le=2)

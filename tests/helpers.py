@@ -117,3 +117,30 @@ def make_nan_adapter(src: Path, out: Path) -> Path:
     weights = {k: torch.full_like(v, float("nan")) if "lora_B" in k else v for k, v in weights.items()}
     save_file(weights, str(out / "adapter_model.safetensors"))
     return out
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as every JSON reader but Python's does."""
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def non_finite_bodies(spec: dict) -> list[tuple[str, str]]:
+    """(path, raw body) for every JSON POST route of an OpenAPI schema and each of its numeric fields,
+    holding NaN, Infinity or -Infinity there: non-standard JSON, which Python's reader takes."""
+    out = []
+    for path, ops in spec["paths"].items():
+        body = ops.get("post", {}).get("requestBody", {}).get("content", {}).get("application/json")
+        if body is None:
+            continue
+        schema = body["schema"]
+        if "$ref" in schema:
+            schema = spec["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+        for name, prop in schema.get("properties", {}).items():
+            kinds = {prop.get("type")} | {alt.get("type") for alt in prop.get("anyOf", [])}
+            if kinds & {"number", "integer"}:
+                out += [(path, f'{{"{name}": {c}}}') for c in ("NaN", "Infinity", "-Infinity")]
+    return out

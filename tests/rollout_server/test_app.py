@@ -16,6 +16,7 @@ from rollout_server.policy import Policy
 from shared import protocol as P
 from shared.datasets import chat_prompt_ids, epoch_order
 from tests.fakes import PROBLEMS, FakeBackend, FakeTokenizer, fake_app, tiny_adapter
+from tests.helpers import non_finite_bodies, strict_json
 
 ORDER = epoch_order(len(PROBLEMS), 0, 0)  # the producer's prompt order in epoch 0 (data.seed 0)
 
@@ -215,3 +216,20 @@ def test_truncated_completions_score_or_get_zero(tmp_path, truncated, want):
             assert [x["finish_reason"] for x in g["completions"]] == ["stop", "stop", "length", "stop"]
             assert [x["reward"] for x in g["completions"]] == want
             assert [x["rewards"]["gsm8k"] for x in g["completions"]] == want
+
+
+def test_non_finite_numbers_in_any_json_body_get_a_4xx_in_json_never_a_500(tmp_path):
+    # Python's JSON reader takes NaN and Infinity; FastAPI's validation error echoed them back and could
+    # not encode its own answer (500). Every JSON route of the schema, every numeric field, each constant.
+    with TestClient(fake_app(tmp_path, FakeBackend()), raise_server_exceptions=False) as c:
+        bodies = non_finite_bodies(c.get("/openapi.json").json())
+        for path, raw in bodies:
+            r = c.post(path, content=raw, headers={"content-type": "application/json"})
+            assert 400 <= r.status_code < 500, (path, raw, r.status_code, r.text)
+            strict_json(r.text)  # the answer itself is JSON
+        r = c.post("/v1/groups/pull", content='{"max_groups": 1, "wait_s": Infinity}')
+        assert r.status_code == 422 and "wait_s" in r.text, r.text
+        r = c.post("/v1/generate", content='{"prompts": ["1+1"], "temperature": NaN}')
+        assert r.status_code == 422 and "temperature" in r.text, r.text  # refused, not sampled with
+        assert c.get("/health").status_code == 200
+    assert len(bodies) >= 30  # pull, generate, score, the OpenAI routes: a schema that lost them fails here
