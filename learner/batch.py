@@ -27,12 +27,19 @@ def is_degenerate(group: ScoredGroup) -> bool:
 
 @dataclass
 class Sequence:
-    """One completion, ready to train on."""
+    """One completion, ready to train on. In an episode of several turns `completion` holds the
+    environment's tokens too, as context: `model_mask` is 1 on the model's tokens, the only ones scored,
+    and `sampler_logprobs` has one value per model token."""
 
     prompt: list[int]
     completion: list[int]
     sampler_logprobs: list[float]
     advantage: float
+    model_mask: list[int] | None = None  # None: every completion token is the model's
+
+    @property
+    def model_tokens(self) -> int:
+        return len(self.completion) if self.model_mask is None else sum(self.model_mask)
 
 
 def sequences(groups: list[ScoredGroup], grpo: GRPOConfig) -> tuple[list[Sequence], torch.Tensor]:
@@ -42,7 +49,7 @@ def sequences(groups: list[ScoredGroup], grpo: GRPOConfig) -> tuple[list[Sequenc
         rewards, scale=grpo.scale_rewards, std=grpo.std, baseline=grpo.baseline, eps=grpo.eps
     )
     seqs = [
-        Sequence(g.prompt_token_ids, c.token_ids, c.logprobs, float(adv[b, i]))
+        Sequence(g.prompt_token_ids, c.token_ids, c.logprobs, float(adv[b, i]), c.mask)
         for b, g in enumerate(groups)
         for i, c in enumerate(g.completions)
     ]
@@ -67,25 +74,29 @@ class MicroBatch(_Tensors):
     input_ids: torch.Tensor  # [n, L] prompt + completion, right-padded
     attention_mask: torch.Tensor  # [n, L]
     positions: torch.Tensor  # [n, T] index into the shifted logprobs [n, L-1] of each completion token
-    mask: torch.Tensor  # [n, T] 1 on real completion tokens
-    sampler_logprobs: torch.Tensor  # [n, T]
+    mask: torch.Tensor  # [n, T] 1 on the model's completion tokens: the loss's; 0 on padding, environment
+    sampler_logprobs: torch.Tensor  # [n, T] at the model's tokens, 0 elsewhere
     advantages: torch.Tensor  # [n]
 
 
-def _per_completion(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(mask [n, T], sampler log-probs [n, T], advantages [n]), right-padded to the longest completion."""
+def _per_completion(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [n, T]: 1 on every completion token; mask [n, T]: 1 on the model's; sampler log-probs
+    [n, T] at the model's tokens; advantages [n]), right-padded to the longest completion."""
     T = max(len(s.completion) for s in batch)
+    tokens = torch.zeros((len(batch), T), dtype=torch.float32)
     mask = torch.zeros((len(batch), T), dtype=torch.float32)
     sampler = torch.zeros((len(batch), T), dtype=torch.float32)
     for i, s in enumerate(batch):
-        mask[i, : len(s.completion)] = 1.0
-        sampler[i, : len(s.completion)] = torch.tensor(s.sampler_logprobs)
-    return mask, sampler, torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+        C = len(s.completion)
+        tokens[i, :C] = 1.0
+        mask[i, :C] = 1.0 if s.model_mask is None else torch.tensor(s.model_mask, dtype=torch.float32)
+        sampler[i, :C][mask[i, :C].bool()] = torch.tensor(s.sampler_logprobs)
+    return tokens, mask, sampler, torch.tensor([s.advantage for s in batch], dtype=torch.float32)
 
 
 def collate(batch: list[Sequence], pad_id: int) -> MicroBatch:
     L = max(len(s.prompt) + len(s.completion) for s in batch)
-    mask, sampler, advantages = _per_completion(batch)
+    _, mask, sampler, advantages = _per_completion(batch)
     n, T = mask.shape
     input_ids = torch.full((n, L), pad_id, dtype=torch.long)
     attention = torch.zeros((n, L), dtype=torch.long)
@@ -115,6 +126,7 @@ class PackedBatch(_Tensors):
     keep: torch.Tensor  # [K] positions whose logits are computed, the union over rows
     rows: torch.Tensor  # [Q] per real completion token (row-major over [n, T]): its row in [R*K] logits
     targets: torch.Tensor  # [Q] the completion tokens themselves
+    tokens: torch.Tensor  # [n, T] 1 on the Q real completion tokens, the model's and the environment's
     mask: torch.Tensor  # [n, T] as MicroBatch
     sampler_logprobs: torch.Tensor  # [n, T]
     advantages: torch.Tensor  # [n]

@@ -113,7 +113,7 @@ def completion_logprobs(model, b: MicroBatch | PackedBatch, dtype, temperature: 
             chunk_size=chunk_size,
             temperature=temperature,
         )  # [Q]: every real completion token, row-major over [n, T]
-        real = b.mask.bool()  # [n, T], the same row-major order as the picks
+        real = b.tokens.bool()  # [n, T], the same row-major order as the picks
 
         def spread(x):
             return x.new_zeros(real.shape).masked_scatter(real, x)
@@ -198,7 +198,7 @@ def train_step(
     """One optimizer step over all ranks' shards of the step's B x G completions."""
     lc = cfg.learner
     seqs, advantages = sequences(groups, cfg.grpo)
-    total_tokens = sum(len(s.completion) for s in seqs)
+    total_tokens = sum(s.model_tokens for s in seqs)  # environment tokens are context, scored nowhere
     device = next(p.device for p in engine.module.parameters() if p.requires_grad)
     sums: dict[str, float] = {}
     for micro in shard(seqs, rank, world, lc.micro_batch_size):
@@ -229,8 +229,8 @@ def train_step(
 
 def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
     rewards = torch.tensor([r for g in pulled.groups for r in g.rewards])
-    lengths = torch.tensor(
-        [len(c.token_ids) for g in pulled.groups for c in g.completions], dtype=torch.float32
+    lengths = torch.tensor(  # the model's tokens: an episode's environment turns are not its length
+        [c.num_model_tokens for g in pulled.groups for c in g.completions], dtype=torch.float32
     )
     truncated = [c.finish_reason == "length" for g in pulled.groups for c in g.completions]
     tokens = float(lengths.sum())

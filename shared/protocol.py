@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = "2"
+PROTOCOL_VERSION = "3"  # 3: a completion may be an episode of several turns (Completion.mask)
 
 MAX_VERSION = 2**31 - 1  # versions are engine adapter ids (int32 in vLLM) and file names
 Version = Annotated[
@@ -52,11 +52,19 @@ class _Model(BaseModel):
 
 
 class Completion(_Model):
-    """One sampled completion of a prompt, scored by the reward functions."""
+    """One sampled completion of a prompt, scored by the reward functions. In an episode of several turns
+    (an environment, tools) it is the whole trajectory after the prompt, token-exact: the model's turns as
+    the engine sampled them and, between them, the tokens the chat template adds for each environment
+    message; `mask` tells the two apart, and only the model's tokens are trained on."""
 
     token_ids: list[TokenId] = Field(min_length=1)
-    # Sampler logprob of each sampled token: log π_sampler(token_ids[t] | prefix). One per token id.
+    # Sampler logprob of each model token (mask 1), in order: log π_sampler(token | all tokens before it).
     logprobs: list[float]
+    mask: list[Literal[0, 1]] | None = Field(
+        default=None,
+        description="per token: 1 sampled by the model, 0 added by the environment (context, never trained "
+        "on); None: every token is the model's (a single turn)",
+    )
     text: str
     reward: float  # what the learner trains on: the weighted sum of `rewards`
     rewards: dict[str, float] = Field(default={}, description="each reward function's own value, by name")
@@ -64,15 +72,30 @@ class Completion(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> Completion:
-        if len(self.logprobs) != len(self.token_ids):
+        if self.mask is not None:
+            if len(self.mask) != len(self.token_ids):
+                raise ValueError(f"mask has {len(self.mask)} values for {len(self.token_ids)} token ids")
+            if self.mask[0] != 1 or self.mask[-1] != 1:
+                raise ValueError("an episode starts and ends with the model's tokens (mask 1 at both ends)")
+        model_tokens = self.num_model_tokens
+        if len(self.logprobs) != model_tokens:
             raise ValueError(
-                f"logprobs has {len(self.logprobs)} values for {len(self.token_ids)} token ids; "
-                "need exactly one per token"
+                f"logprobs has {len(self.logprobs)} values for {model_tokens} model tokens; "
+                "need exactly one per token the model sampled"
             )
         for t, lp in enumerate(self.logprobs):  # finite: no field of the protocol takes NaN or inf
             if lp > 0.0:
                 raise ValueError(f"logprobs[{t}] = {lp}: a logprob must be <= 0")
         return self
+
+    @property
+    def num_model_tokens(self) -> int:
+        return len(self.token_ids) if self.mask is None else sum(self.mask)
+
+    @property
+    def model_mask(self) -> list[int]:
+        """1 per token the model sampled, 0 per environment token."""
+        return [1] * len(self.token_ids) if self.mask is None else list(self.mask)
 
 
 class ScoredGroup(_Model):

@@ -72,7 +72,7 @@ def _peft(base, r=4):
 def _run(model, seqs, cfg, shared: bool, micro: int):
     """Loss, token-weighted metrics and LoRA gradients of the micro-batches, summed as train_step does."""
     model.zero_grad(set_to_none=True)
-    total_tokens = sum(len(s.completion) for s in seqs)
+    total_tokens = sum(s.model_tokens for s in seqs)
     loss_sum, sums, tokens = 0.0, {}, 0.0
     for chunk in shard(seqs, 0, 1, micro):
         b = (pack if shared else collate)(chunk, pad_id=0)

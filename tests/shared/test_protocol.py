@@ -26,8 +26,13 @@ def _group(**kw):
     return P.ScoredGroup(**(base | kw))
 
 
+EPISODE = dict(  # model [5, 6], environment [7, 8, 9], model [10, 2]
+    token_ids=[5, 6, 7, 8, 9, 10, 2], mask=[1, 1, 0, 0, 0, 1, 1], logprobs=[-0.5, -1.0, -0.25, 0.0]
+)
+
 EXAMPLES = [
     _completion(),
+    _completion(**EPISODE),
     _group(),
     P.PullRequest(max_groups=4, wait_s=1.5),
     P.PullResponse(lease_id="abc", lease_s=30.0, groups=[_group()]),
@@ -63,7 +68,8 @@ def test_every_model_round_trips_through_json(obj):
 def test_a_learner_refuses_a_server_of_another_protocol_version():
     from tests.learner.test_client import scripted
 
-    other = json.loads(EXAMPLES[9].model_dump_json()) | {"protocol_version": "0"}
+    health = next(e for e in EXAMPLES if isinstance(e, P.Health))
+    other = json.loads(health.model_dump_json()) | {"protocol_version": "0"}
     c, _, _ = scripted([(200, json.dumps(other))])
     with pytest.raises(ServerError, match="protocol mismatch: server at http://server speaks v0"):
         c.wait_ready(5.0)
@@ -72,7 +78,13 @@ def test_a_learner_refuses_a_server_of_another_protocol_version():
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        (dict(logprobs=[-0.5, -1.0]), "2 values for 3 token ids"),
+        (dict(logprobs=[-0.5, -1.0]), "2 values for 3 model tokens"),
+        (EPISODE | dict(logprobs=[-0.5, -1.0, -0.25, 0.0, -0.1]), "5 values for 4 model tokens"),
+        (EPISODE | dict(logprobs=[-0.5] * 7), "7 values for 4 model tokens"),  # one per token: refused
+        (EPISODE | dict(mask=[1, 1, 0, 0, 0, 1]), "6 values for 7 token ids"),
+        (EPISODE | dict(mask=[1, 1, 0, 0, 0, 1, 0], logprobs=[-0.5] * 3), "ends with the model's tokens"),
+        (EPISODE | dict(mask=[0, 1, 0, 0, 0, 1, 1], logprobs=[-0.5] * 3), "starts and ends"),
+        (EPISODE | dict(mask=[1, 1, 0, 2, 0, 1, 1]), "mask.3\\n.*0 or 1"),
         (dict(logprobs=[-0.5, 0.1, -1.0]), "logprobs\\[1\\] = 0.1"),
         (dict(logprobs=[-0.5, math.nan, -1.0]), "logprobs.1\\n.*finite number"),
         (dict(logprobs=[-0.5, -math.inf, -1.0]), "logprobs.1\\n.*finite number"),
@@ -105,6 +117,13 @@ def test_invalid_json_payloads_are_rejected():
         P.PullRequest.model_validate_json('{"max_groups": "many"}')
     with pytest.raises(ValidationError, match="less than or equal to 600"):
         P.PullRequest.model_validate_json('{"max_groups": 1, "wait_s": 1e9}')
+
+
+def test_an_episode_counts_only_the_model_tokens():
+    c = _completion(**EPISODE)
+    assert (c.num_model_tokens, c.model_mask) == (4, [1, 1, 0, 0, 0, 1, 1])
+    single = _completion()  # no mask: every token is the model's
+    assert (single.num_model_tokens, single.model_mask) == (3, [1, 1, 1])
 
 
 def test_group_rewards_property():
