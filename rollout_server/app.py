@@ -84,7 +84,9 @@ class Server:
         self.metrics = ServerMetrics(self.queue, self.policy)
         self.events = EventLog(state_dir / "events.jsonl")
         self.rewards = RewardRunner(
-            cfg.reward, on_failure=lambda name, kind: self.metrics.reward_failures.labels(name, kind).inc()
+            cfg.reward,
+            on_failure=lambda name, kind: self.metrics.reward_failures.labels(name, kind).inc(),
+            env=[cfg.env.step] if cfg.env.step else cfg.env.tools,  # the environment's code runs there too
         )
         self.producer = Producer(
             cfg,

@@ -16,11 +16,12 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from rollout_server import episodes
 from rollout_server.backend import GenerationAborted, RolloutBackend
 from rollout_server.events import EventLog
 from rollout_server.policy import Policy
@@ -138,6 +139,16 @@ class Producer:
         self._awake.set()
         self._batch: asyncio.Task | None = None
         self._halted = False  # server shutdown: no new batch
+        # Episodes of several turns: the environment, and the tools' schemas the prompts describe.
+        self.env, self._tools = None, []
+        if cfg.env.kind != "single_turn":
+            self.env, self._tools = episodes.build(cfg.env, backend.tokenizer, rewards)
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        conversation = problem.conversation()
+        if self._tools:
+            return episodes.tools_prompt_ids(self.backend.tokenizer, conversation, self._tools)
+        return chat_prompt_ids(self.backend.tokenizer, conversation)
 
     # -- cursor --------------------------------------------------------------------------------------
     def _save_cursor(self) -> None:
@@ -231,7 +242,7 @@ class Producer:
         version = adapter.version if adapter else 0
         s = self.cfg.sampling
         limit = self.cfg.model.max_model_len
-        prompts = [chat_prompt_ids(self.backend.tokenizer, p.conversation()) for _, p in batch]
+        prompts = [self.prompt_ids(p) for _, p in batch]
         kept = [(b, ids) for b, ids in zip(batch, prompts, strict=True) if len(ids) < limit - 1]
         self.metrics.prompts_too_long.inc(len(batch) - len(kept))
         if not kept:
@@ -245,20 +256,24 @@ class Producer:
             max_tokens=max_tokens,
             adapter=adapter,
         )
+        trajectories = [[_Trajectory.of(smp) for smp in group] for group in samples]
+        if self.env is not None:
+            trajectories = await self._episodes(kept, samples, adapter)
         elapsed = time.perf_counter() - t0
-        # (epoch, problem, prompt ids, samples) of each group whose samples are all usable
-        usable = [(*b, ids, group) for (b, ids), group in zip(kept, samples, strict=True) if _usable(group)]
+        # (epoch, problem, prompt ids, trajectories) of each group whose samples are all usable
+        usable = [(*b, ids, g) for (b, ids), g in zip(kept, trajectories, strict=True) if _usable(g)]
         self.metrics.groups_invalid.inc(len(kept) - len(usable))
         calls = [
-            RewardCall(smp.text, problem.answer, problem.prompt_text, dict(problem.metadata))
+            RewardCall(
+                t.scored_text, problem.answer, problem.prompt_text, dict(problem.metadata) | t.metadata
+            )
             for _, problem, _, group in usable
-            for smp in group
+            for t in group
         ]
         rewards = await self.rewards.score(calls)
-        if self.cfg.reward.truncated == "zero":
-            cut = [smp.finish_reason == "length" for *_, group in usable for smp in group]
-            rewards = [dict.fromkeys(r, 0.0) if c else r for r, c in zip(rewards, cut, strict=True)]
-        rewards = iter(rewards)
+        zero = [t.env_failed or (self.cfg.reward.truncated == "zero" and t.finish_reason == "length")
+                for *_, group in usable for t in group]  # fmt: skip
+        rewards = iter([dict.fromkeys(r, 0.0) if z else r for r, z in zip(rewards, zero, strict=True)])
         groups = [
             _group(epoch, problem, ids, group, version, [next(rewards) for _ in group], self.rewards)
             for epoch, problem, ids, group in usable
@@ -266,27 +281,86 @@ class Producer:
         self.metrics.observe_batch(groups, elapsed)
         return groups
 
+    async def _episodes(self, kept, samples, adapter) -> list[list[_Trajectory]]:
+        """Each first-turn sample continued as an episode until the environment or a bound ends it. All
+        turns sample with `adapter`, held for the whole batch: an episode has one version."""
+        limit, env_cfg, s = self.cfg.model.max_model_len, self.cfg.env, self.cfg.sampling
+        eps, rows = [], []
+        for ((_, problem), ids), group in zip(kept, samples, strict=True):
+            budget = min(env_cfg.max_tokens or limit, limit - len(ids))
+            for smp in group:
+                e = episodes.Episode(ids, problem.conversation(), budget)
+                e.add_model_turn(smp)
+                eps.append(e)
+                rows.append((problem.answer, dict(problem.metadata)))
+        await episodes.run_turns(
+            self.backend, eps, rows, self.env, s.max_new_tokens, temperature=s.temperature, adapter=adapter
+        )
+        decode = self.backend.tokenizer.decode
+        out = iter([_Trajectory.of_episode(e, decode(e.ids)) for e in eps])
+        return [[next(out) for _ in group] for group in samples]
 
-def _usable(samples) -> bool:
+
+@dataclass
+class _Trajectory:
+    """What a group's completion is made of: a single-turn sample, or an episode."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    mask: list[int] | None  # None: every token is the model's
+    text: str  # all of it, for people
+    scored_text: str  # what the reward functions score: the model's (last) turn
+    finish_reason: str
+    env_failed: bool = False
+    metadata: dict = field(default_factory=dict)  # extra row metadata for the reward functions
+
+    @classmethod
+    def of(cls, smp) -> _Trajectory:
+        return cls(smp.token_ids, smp.logprobs, None, smp.text, smp.text, smp.finish_reason)
+
+    @classmethod
+    def of_episode(cls, e: episodes.Episode, text: str) -> _Trajectory:
+        mask = e.mask if 0 in e.mask else None
+        episode = {"messages": e.messages, "turns": e.turns}
+        return cls(
+            e.ids,
+            e.logprobs,
+            mask,
+            text,
+            e.last_text,
+            e.finish_reason,
+            e.failed is not None,
+            {"episode": episode},
+        )
+
+
+def _usable(trajectories: list[_Trajectory]) -> bool:
     """A group is kept only if every sample has tokens and finite logprobs: a group with fewer than G
     completions would bias its baseline."""
-    return all(smp.token_ids and all(math.isfinite(lp) for lp in smp.logprobs) for smp in samples)
+    return all(t.token_ids and all(math.isfinite(lp) for lp in t.logprobs) for t in trajectories)
 
 
 def _group(
-    epoch: int, problem: Problem, prompt_ids: list[int], samples, version: int, rewards, runner: RewardRunner
+    epoch: int,
+    problem: Problem,
+    prompt_ids: list[int],
+    trajectories,
+    version: int,
+    rewards,
+    runner: RewardRunner,
 ) -> ScoredGroup:
-    """One group from G samples and each sample's {function: reward}; the reward is their weighted sum."""
+    """One group from G trajectories and each one's {function: reward}; the reward is their weighted sum."""
     completions = [
         Completion(
-            token_ids=smp.token_ids,
-            logprobs=[min(lp, 0.0) for lp in smp.logprobs],  # float noise can give +1e-7
-            text=smp.text,
+            token_ids=t.token_ids,
+            logprobs=[min(lp, 0.0) for lp in t.logprobs],  # float noise can give +1e-7
+            mask=t.mask,
+            text=t.text,
             reward=runner.total(r),
             rewards=r,
-            finish_reason=smp.finish_reason,
+            finish_reason=t.finish_reason,
         )
-        for smp, r in zip(samples, rewards, strict=True)
+        for t, r in zip(trajectories, rewards, strict=True)
     ]
     return ScoredGroup(
         group_id=f"{problem.id}-e{epoch}-{uuid.uuid4().hex[:12]}",

@@ -177,6 +177,49 @@ class RewardConfig(_Section):
         return self
 
 
+class EnvConfig(_Section):
+    """What an episode is: one completion (single_turn), or turns of the model and an environment."""
+
+    kind: Literal["single_turn", "multi_turn", "tools"] = Field(
+        default="single_turn",
+        description="'single_turn': G completions of each prompt (no environment); 'multi_turn': after each "
+        "model turn env.step answers, until it says the episode is done; 'tools': the model may call "
+        "env.tools, each call's result comes back as a tool message, and a turn without a call ends it",
+    )
+    step: str | None = Field(
+        default=None,
+        description="multi_turn: 'module:function' or 'path/to/file.py:function', called as "
+        "step(messages, answer, metadata) -> (reply, done) (plain or async) after each model turn; "
+        "messages is the conversation so far, reply a string (a user message), a message dict, a list of "
+        "them or None; runs where reward functions run, with reward.timeout_s",
+    )
+    tools: list[str] = Field(
+        default=[],
+        description="tools: 'module:function' / 'path/to/file.py:function' entries; a function's signature "
+        "and Google-style docstring become its schema. The model calls one with "
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+    )
+    max_turns: int = Field(default=4, ge=1, le=64, description="model turns per episode at most")
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="tokens after the prompt per episode, the model's and the environment's together; "
+        "None: up to model.max_model_len. An episode that reaches it ends (finish_reason 'length')",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> EnvConfig:
+        if self.kind == "multi_turn" and not self.step:
+            raise ValueError("env.kind = 'multi_turn' needs env.step = 'module:function'")
+        if self.kind == "tools" and not self.tools:
+            raise ValueError("env.kind = 'tools' needs env.tools = ['module:function', ...]")
+        if self.kind != "multi_turn" and self.step:
+            raise ValueError(f"env.step is for env.kind = 'multi_turn', not '{self.kind}'")
+        if self.kind != "tools" and self.tools:
+            raise ValueError(f"env.tools is for env.kind = 'tools', not '{self.kind}'")
+        return self
+
+
 class VllmConfig(_Section):
     kv_cache_gib: float = Field(default=2.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE")
     gpu_memory_utilization: float = Field(default=0.35, gt=0, le=1)
@@ -401,6 +444,7 @@ class TandemConfig(_Section):
     sampling: SamplingConfig = SamplingConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
+    env: EnvConfig = EnvConfig()
     server: ServerConfig = ServerConfig()
     lora: LoraConfig = LoraConfig()
     grpo: GRPOConfig = GRPOConfig()

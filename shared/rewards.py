@@ -93,9 +93,13 @@ BUILTINS: dict[str, tuple[Callable[..., float], bool]] = {
 
 
 # -- loading -----------------------------------------------------------------------------------------
-def load_function(spec: str) -> Callable[..., Any]:
-    """The function a spec names: a built-in name, 'module:function' or 'path/to/file.py:function'.
-    Raises ValueError with the reason."""
+REWARD_ARGS = (("", "", "", {}), "(completion, answer, prompt, metadata)")
+
+
+def load_function(spec: str, args: tuple[tuple, str] | None = REWARD_ARGS) -> Callable[..., Any]:
+    """The function a spec names: a built-in name, 'module:function' or 'path/to/file.py:function',
+    checked to take `args` (example arguments, and how to say them) unless None. Raises ValueError with
+    the reason."""
     if spec in BUILTINS:
         return BUILTINS[spec][0]
     module_name, sep, attr = spec.rpartition(":")
@@ -126,10 +130,12 @@ def load_function(spec: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ValueError(f"'{spec}': {module_name} has no function {attr!r}")
+    if args is None:
+        return fn
     try:
-        inspect.signature(fn).bind("", "", "", {})
+        inspect.signature(fn).bind(*args[0])
     except TypeError:
-        raise ValueError(f"'{spec}': must accept (completion, answer, prompt, metadata)") from None
+        raise ValueError(f"'{spec}': must accept {args[1]}") from None
     except ValueError:  # no signature to inspect (a builtin): trust it
         pass
     return fn
@@ -176,9 +182,10 @@ def checked(value: Any) -> tuple[float, str | None]:
     return 0.0, "bad_type"
 
 
-def call_function(fn: Callable[..., Any], call: RewardCall | list) -> Any:
-    """One call, awaited when the function is async (on this thread's own event loop)."""
-    result = fn(*call)
+def call_function(fn: Callable[..., Any], call: RewardCall | list | dict) -> Any:
+    """One call (a dict: keyword arguments), awaited when the function is async (on this thread's own
+    event loop)."""
+    result = fn(**call) if isinstance(call, dict) else fn(*call)
     if inspect.isawaitable(result):
 
         async def wait():
@@ -209,10 +216,12 @@ class _Worker:
             raise RuntimeError(f"reward worker could not load the functions: {hello['fatal']}")
         return worker
 
-    async def call(self, index: int, call: RewardCall) -> dict[str, Any]:
+    async def call(self, index: int, args: list | dict, any_value: bool = False) -> dict[str, Any]:
         self._next += 1
-        msg = json.dumps({"id": self._next, "fn": index, "args": list(call)}, default=str)
-        self.proc.stdin.write(msg.encode() + b"\n")
+        msg = {"id": self._next, "fn": index, "args": args}
+        if any_value:  # any JSON value back (a dict of args is keyword arguments)
+            msg["any"] = True
+        self.proc.stdin.write(json.dumps(msg, default=str).encode() + b"\n")
         await self.proc.stdin.drain()
         line = await self.proc.stdout.readline()
         if not line:
@@ -228,15 +237,22 @@ class _Worker:
 
 
 class RewardRunner:
-    """Scores completions with the configured functions. `on_failure(name, kind)` is told of each call
-    that gave 0 by failing (FAILURE_KINDS)."""
+    """Scores completions with the configured functions, and runs the environment's user code (`env`:
+    its step function or tools, by spec) in the same workers under the same limits. `on_failure(name,
+    kind)` is told of each call that failed (FAILURE_KINDS)."""
 
-    def __init__(self, cfg: RewardConfig, on_failure: Callable[[str, str], None] = lambda name, kind: None):
+    def __init__(
+        self,
+        cfg: RewardConfig,
+        on_failure: Callable[[str, str], None] = lambda name, kind: None,
+        env: list[str] = (),
+    ):
         self.functions = resolve(cfg)
         self.timeout_s = cfg.timeout_s
         self.on_failure = on_failure
         self.failures: Counter[tuple[str, str]] = Counter()
         self._remote = [f for f in self.functions if not f.inline]
+        self._specs = [f.spec for f in self._remote] + list(env)  # what each worker loads, in this order
         self._size = cfg.workers
         self._idle: asyncio.Queue[_Worker | None] | None = None  # None in it: a worker to start on use
         self._logged: set[tuple[str, str]] = set()
@@ -275,7 +291,11 @@ class RewardRunner:
                     row[f.name] = self._failed(f.name, "raised", traceback.format_exc())
         return out
 
-    async def _remote_call(self, index: int, f: RewardFunction, call: RewardCall) -> float:
+    async def _in_worker(
+        self, index: int, name: str, args: list | dict, any_value: bool
+    ) -> tuple[Any, str | None]:
+        """Spec `index` of the workers' list called with `args`: (the reply's value, None), or (None, the
+        failure kind) once counted and logged. A worker that overran or died is killed and replaced."""
         if self._idle is None:
             self._idle = asyncio.Queue()
             for _ in range(self._size):
@@ -284,20 +304,34 @@ class RewardRunner:
         keep = False
         try:
             if worker is None:
-                worker = await _Worker.start([r.spec for r in self._remote])
-            reply = await asyncio.wait_for(worker.call(index, call), self.timeout_s)
+                worker = await _Worker.start(self._specs)
+            reply = await asyncio.wait_for(worker.call(index, args, any_value), self.timeout_s)
             keep = True
         except TimeoutError:
-            return self._failed(f.name, "timeout", f"a call ran past reward.timeout_s = {self.timeout_s} s")
+            self._failed(name, "timeout", f"a call ran past reward.timeout_s = {self.timeout_s} s")
+            return None, "timeout"
         except (EOFError, ConnectionError, json.JSONDecodeError) as e:
-            return self._failed(f.name, "crashed", f"its worker process died during the call ({e!r})")
+            self._failed(name, "crashed", f"its worker process died during the call ({e!r})")
+            return None, "crashed"
         finally:
             if not keep and worker is not None:  # timed out, died, or cancelled mid-call: never reuse
                 await worker.kill()
             self._idle.put_nowait(worker if keep else None)
         if "error" in reply:
-            return self._failed(f.name, reply["error"], reply.get("detail", ""))
-        return self._result(f.name, reply["value"])
+            self._failed(name, reply["error"], reply.get("detail", ""))
+            return None, reply["error"]
+        return reply["value"], None
+
+    async def _remote_call(self, index: int, f: RewardFunction, call: RewardCall) -> float:
+        value, failed = await self._in_worker(index, f.name, list(call), any_value=False)
+        return 0.0 if failed else self._result(f.name, value)
+
+    async def call_env(self, spec: str, args: list | dict) -> tuple[Any, str | None]:
+        """The environment's `spec` (given at construction) called with `args` (a dict: keyword
+        arguments) in a worker: (its value as JSON, None), or (None, the failure kind), counted under the
+        function's name."""
+        index = self._specs.index(spec, len(self._remote))
+        return await self._in_worker(index, spec.rpartition(":")[2], args, any_value=True)
 
     async def score(self, calls: list[RewardCall]) -> list[dict[str, float]]:
         """Every function's reward for each call: [{name: reward}], in the calls' order."""

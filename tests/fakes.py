@@ -153,15 +153,24 @@ class FakeBackend:
 
 
 def fake_app(
-    tmp_path: Path, backend: FakeBackend, on_fatal=lambda: None, problems=PROBLEMS, reward=None, **server
+    tmp_path: Path,
+    backend: FakeBackend,
+    on_fatal=lambda: None,
+    problems=PROBLEMS,
+    reward=None,
+    env=None,
+    model=None,
+    **server,
 ):
-    """The real app (G = 4, batches of 2 prompts) on `backend`, state under tmp_path/state; `reward`: the
-    [reward] section."""
+    """The real app (G = 4, batches of 2 prompts) on `backend`, state under tmp_path/state; `reward`, `env`
+    and `model`: those sections."""
     cfg = TandemConfig.model_validate(
         {
             "sampling": {"group_size": 4},
             "server": {"state_dir": str(tmp_path / "state"), "prompts_per_batch": 2, **server},
             "reward": reward or {},
+            "env": env or {},
+            "model": model or {},
         }
     )
 
