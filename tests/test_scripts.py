@@ -41,6 +41,7 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
         "bench_rollout.py",
         "bench_trl.py",
         "bench_publish.py",
+        "bench_server_memory.py",
         "bench_learner.py",
         "demo.py",
         "demo_matrix.py",
