@@ -3,9 +3,10 @@
     python -m learner.evaluate --config deploy/configs/cpu.toml [--version N] [--limit 100] [--k 4]
 
 Greedy pass@1 (temperature 0) and, with --k > 1, sampled pass@k at the config's temperature, on the
-`data.eval_split` split of the config's task, scored by the reward functions of training (`reward`): a
-completion is correct when its reward is at least 1 (the built-in verifiers give 1 for a right answer),
-and `reward_greedy` is the mean reward of the greedy completions.
+`data.eval_split` split of the config's task (with an environment, `env`, each sample played as an
+episode by the server), scored by the reward functions of training (`reward`): a completion is correct
+when its reward is at least 1 (the built-in verifiers give 1 for a right answer), and `reward_greedy` is
+the mean reward of the greedy completions.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from learner.client import RolloutClient
 from shared.cli import parse_cli
 from shared.config import ConfigError, TandemConfig
 from shared.datasets import DatasetError, Problem, load_problems
-from shared.protocol import GenerateRequest
+from shared.protocol import EpisodeRow, GeneratedText, GenerateRequest
 from shared.rewards import RewardCall, RewardRunner
 
 CORRECT = 1.0  # a completion whose reward reaches this counts as correct (the verifiers' 1 for right)
@@ -50,10 +51,14 @@ async def _evaluate(
     runner = RewardRunner(cfg.reward)
     greedy, rewards, sampled, t0 = [], [], [], time.perf_counter()
 
+    episodes = cfg.env.kind != "single_turn"
+
     async def generate(chunk: list[Problem], messages, n: int, temperature: float):
-        req = GenerateRequest(messages=messages, version=version, n=n, temperature=temperature)
+        # With an environment, each sample is played as an episode by the server, as in training.
+        rows = [EpisodeRow(answer=p.answer, metadata=dict(p.metadata)) for p in chunk] if episodes else None
+        req = GenerateRequest(messages=messages, version=version, n=n, temperature=temperature, rows=rows)
         res = await asyncio.to_thread(client.generate, req, 3600)
-        calls = [_call(o.text, p) for row, p in zip(res.outputs, chunk, strict=True) for o in row]
+        calls = [_call(o, p) for row, p in zip(res.outputs, chunk, strict=True) for o in row]
         totals = iter([runner.total(r) for r in await runner.score(calls)])
         return res.version, [[next(totals) for _ in row] for row in res.outputs]  # [problem][sample]
 
@@ -85,8 +90,14 @@ async def _evaluate(
     return result
 
 
-def _call(text: str, p: Problem) -> RewardCall:
-    return RewardCall(text, p.answer, p.prompt_text, dict(p.metadata))
+def _call(output: GeneratedText, p: Problem) -> RewardCall:
+    """The reward functions' call for an output, as in training: an episode's last turn, with the whole
+    conversation in metadata["episode"]."""
+    metadata = dict(p.metadata)
+    if output.messages is not None:
+        messages = [m.model_dump() for m in output.messages]
+        metadata["episode"] = {"messages": messages, "turns": output.turns}
+    return RewardCall(output.text, p.answer, p.prompt_text, metadata)
 
 
 def _args(p: argparse.ArgumentParser) -> None:

@@ -76,9 +76,19 @@ class Dims:
         return self.layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
 
 
+def completion_tokens(cfg: TandemConfig, prompt_tokens: int) -> int:
+    """The longest completion: one turn's sampling.max_new_tokens, or an episode of several turns with
+    the environment's tokens between them, up to env.max_tokens or what model.max_model_len leaves."""
+    if cfg.env.kind == "single_turn":
+        return cfg.sampling.max_new_tokens
+    room = max(cfg.model.max_model_len - prompt_tokens, 1)
+    return min(cfg.env.max_tokens or room, room)
+
+
 def estimate(cfg: TandemConfig, d: Dims, prompt_tokens: int = 256) -> dict[str, dict[str, float]]:
     """Bytes per item, per process and phase."""
-    s = prompt_tokens + cfg.sampling.max_new_tokens  # one sequence's length
+    new = completion_tokens(cfg, prompt_tokens)
+    s = prompt_tokens + new  # one sequence's length
     b = cfg.learner.micro_batch_size
     P, L = d.params(), d.lora_params(cfg.lora.r, cfg.lora.target_modules)
     weights = 2 * P
@@ -91,7 +101,7 @@ def estimate(cfg: TandemConfig, d: Dims, prompt_tokens: int = 256) -> dict[str, 
         f"LoRA slots (max_loras={cfg.server.max_loras})": 2 * L * cfg.server.max_loras,
         "CUDA context + vLLM buffers": CUDA_CONTEXT + VLLM_OVERHEAD,
     }
-    new, G = cfg.sampling.max_new_tokens, cfg.sampling.group_size
+    G = cfg.sampling.group_size
     if cfg.learner.shared_prompt:
         # Packed: one row per prompt in the micro-batch (ceil(b/G) when G divides b, else the groups a
         # window of b completions can touch), holding the prompt once and its completions back to back;

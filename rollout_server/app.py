@@ -48,7 +48,7 @@ from rollout_server.producer import Producer, StateError, load_cursor, load_queu
 from rollout_server.queue import LeaseError, LeaseQueue
 from shared import protocol as P
 from shared.config import TandemConfig
-from shared.datasets import DatasetError, Problem, chat_prompt_ids, render
+from shared.datasets import DatasetError, Problem, render
 from shared.rewards import RewardRunner
 
 log = logging.getLogger("tandem.server")
@@ -109,7 +109,7 @@ class Server:
         """A prompt as the token ids the model sees: rendered as a training prompt without its row (the
         system prompt, data.prompt_template, the chat template). 422 if the template needs a column."""
         try:
-            return chat_prompt_ids(self.backend.tokenizer, render(self.cfg.data, prompt))
+            return self.producer.conversation_ids(render(self.cfg.data, prompt))
         except DatasetError as e:
             raise HTTPException(422, f"{e}: send whole conversations in 'messages' instead") from None
 
@@ -389,10 +389,14 @@ async def generate(req: P.GenerateRequest, s: Server = Depends(srv)):
             f"{cfg.server.max_generate_sequences}; split the request",
         )
     adapter = s.policy.lookup(req.version)
+    if req.rows is not None and s.producer.env is None:
+        raise HTTPException(422, "'rows' plays episodes, and this server has no environment (env.kind)")
     if req.messages is not None:
-        prompts = [chat_prompt_ids(s.backend.tokenizer, [m.model_dump() for m in c]) for c in req.messages]
+        conversations = [[m.model_dump() for m in c] for c in req.messages]
+        prompts = [s.producer.conversation_ids(c) for c in conversations]
     else:
-        prompts = [s.prompt_ids(q) for q in req.prompts]
+        prompts = [s.prompt_ids(q) for q in req.prompts]  # a 422 when the template needs a row
+        conversations = [render(cfg.data, q) for q in req.prompts]
     room = cfg.model.max_model_len - max(len(p) for p in prompts)
     if room < 1:
         raise HTTPException(
@@ -400,12 +404,17 @@ async def generate(req: P.GenerateRequest, s: Server = Depends(srv)):
         )
     max_tokens = min(req.max_tokens or cfg.sampling.max_new_tokens, room)
     chunk = cfg.server.prompts_per_batch * cfg.sampling.group_size
-    work = _generate_in_chunks(s.backend, prompts, req.n, req.temperature, max_tokens, adapter, chunk)
-    samples = await bounded(s, work, cfg.server.generate_timeout_s)
-    outputs = [
-        [P.GeneratedText(text=x.text, token_ids=x.token_ids, finish_reason=x.finish_reason) for x in row]
-        for row in samples
-    ]
+    if req.rows is not None:  # each sample played on as an episode, in chunks as production plays them
+        work = _play_in_chunks(s, prompts, conversations, req, max_tokens, adapter, chunk)
+        played = await bounded(s, work, cfg.server.generate_timeout_s)
+        outputs = [[_episode_text(e) for e in row] for row in played]
+    else:
+        work = _generate_in_chunks(s.backend, prompts, req.n, req.temperature, max_tokens, adapter, chunk)
+        samples = await bounded(s, work, cfg.server.generate_timeout_s)
+        outputs = [
+            [P.GeneratedText(text=x.text, token_ids=x.token_ids, finish_reason=x.finish_reason) for x in row]
+            for row in samples
+        ]
     version = adapter.version if adapter else 0
     return P.GenerateResponse(version=version, prompt_token_ids=prompts, outputs=outputs)
 
@@ -421,6 +430,33 @@ async def score(req: P.ScoreRequest, s: Server = Depends(srv)):
     adapter = s.policy.lookup(req.version)
     logprobs = await s.backend.score(req.prompt_token_ids, req.completion_token_ids, adapter)
     return P.ScoreResponse(version=adapter.version if adapter else 0, logprobs=logprobs)
+
+
+async def _play_in_chunks(
+    s: Server, prompts, conversations, req: P.GenerateRequest, max_tokens, adapter, chunk
+):
+    """Episodes of each prompt's samples, a production batch's worth of prompts at a time."""
+    played: list[list] = []
+    per_call = max(1, chunk // req.n)
+    for i in range(0, len(prompts), per_call):
+        part = prompts[i : i + per_call]
+        first = await _generate_in_chunks(s.backend, part, req.n, req.temperature, max_tokens, adapter, chunk)
+        rows = [
+            (ids, conv, r.answer, r.metadata)
+            for ids, conv, r in zip(
+                part, conversations[i : i + per_call], req.rows[i : i + per_call], strict=True
+            )
+        ]
+        played += await s.producer.play(rows, first, adapter, req.temperature, max_tokens)
+    return played
+
+
+def _episode_text(e) -> P.GeneratedText:
+    """An episode as an output: its text is the model's last turn (what reward functions score)."""
+    messages = [P.ChatMessage(role=m["role"], content=m["content"]) for m in e.messages]
+    return P.GeneratedText(
+        text=e.last_text, token_ids=e.ids, finish_reason=e.finish_reason, turns=e.turns, messages=messages
+    )
 
 
 async def _generate_in_chunks(backend, prompts, n, temperature, max_tokens, adapter, chunk: int):

@@ -144,8 +144,9 @@ class Producer:
         if cfg.env.kind != "single_turn":
             self.env, self._tools = episodes.build(cfg.env, backend.tokenizer, rewards)
 
-    def prompt_ids(self, problem: Problem) -> list[int]:
-        conversation = problem.conversation()
+    def conversation_ids(self, conversation: list[dict]) -> list[int]:
+        """A conversation as the prompt the model sees: through the chat template, with the environment's
+        tools described (training and evaluation alike)."""
         if self._tools:
             return episodes.tools_prompt_ids(self.backend.tokenizer, conversation, self._tools)
         return chat_prompt_ids(self.backend.tokenizer, conversation)
@@ -242,7 +243,7 @@ class Producer:
         version = adapter.version if adapter else 0
         s = self.cfg.sampling
         limit = self.cfg.model.max_model_len
-        prompts = [self.prompt_ids(p) for _, p in batch]
+        prompts = [self.conversation_ids(p.conversation()) for _, p in batch]
         kept = [(b, ids) for b, ids in zip(batch, prompts, strict=True) if len(ids) < limit - 1]
         self.metrics.prompts_too_long.inc(len(batch) - len(kept))
         if not kept:
@@ -258,7 +259,15 @@ class Producer:
         )
         trajectories = [[_Trajectory.of(smp) for smp in group] for group in samples]
         if self.env is not None:
-            trajectories = await self._episodes(kept, samples, adapter)
+            played = await self.play(
+                [(ids, p.conversation(), p.answer, dict(p.metadata)) for (_, p), ids in kept],
+                samples,
+                adapter,
+                s.temperature,
+                s.max_new_tokens,
+            )
+            decode = self.backend.tokenizer.decode
+            trajectories = [[_Trajectory.of_episode(e, decode(e.ids)) for e in group] for group in played]
         elapsed = time.perf_counter() - t0
         # (epoch, problem, prompt ids, trajectories) of each group whose samples are all usable
         usable = [(*b, ids, g) for (b, ids), g in zip(kept, trajectories, strict=True) if _usable(g)]
@@ -281,23 +290,24 @@ class Producer:
         self.metrics.observe_batch(groups, elapsed)
         return groups
 
-    async def _episodes(self, kept, samples, adapter) -> list[list[_Trajectory]]:
-        """Each first-turn sample continued as an episode until the environment or a bound ends it. All
-        turns sample with `adapter`, held for the whole batch: an episode has one version."""
-        limit, env_cfg, s = self.cfg.model.max_model_len, self.cfg.env, self.cfg.sampling
-        eps, rows = [], []
-        for ((_, problem), ids), group in zip(kept, samples, strict=True):
-            budget = min(env_cfg.max_tokens or limit, limit - len(ids))
+    async def play(
+        self, rows: list[tuple], samples, adapter, temperature: float, max_new_tokens: int
+    ) -> list[list[episodes.Episode]]:
+        """Each first-turn sample continued as an episode until the environment or a bound ends it. `rows`:
+        (prompt ids, conversation, answer, metadata) of each prompt. Every turn samples with `adapter`,
+        held by the caller for all of them: an episode has one version."""
+        limit, eps, answers = self.cfg.model.max_model_len, [], []
+        for (ids, conversation, answer, metadata), group in zip(rows, samples, strict=True):
+            budget = min(self.cfg.env.max_tokens or limit, limit - len(ids))
             for smp in group:
-                e = episodes.Episode(ids, problem.conversation(), budget)
+                e = episodes.Episode(ids, list(conversation), budget)
                 e.add_model_turn(smp)
                 eps.append(e)
-                rows.append((problem.answer, dict(problem.metadata)))
+                answers.append((answer, metadata))
         await episodes.run_turns(
-            self.backend, eps, rows, self.env, s.max_new_tokens, temperature=s.temperature, adapter=adapter
+            self.backend, eps, answers, self.env, max_new_tokens, temperature=temperature, adapter=adapter
         )
-        decode = self.backend.tokenizer.decode
-        out = iter([_Trajectory.of_episode(e, decode(e.ids)) for e in eps])
+        out = iter(eps)
         return [[next(out) for _ in group] for group in samples]
 
 

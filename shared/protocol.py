@@ -8,7 +8,7 @@ is refused at whichever end receives it.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -172,6 +172,13 @@ class ChatMessage(_Model):
     content: str = Field(max_length=100_000)
 
 
+class EpisodeRow(_Model):
+    """What an environment needs of a prompt's row to play it: the reference answer and the metadata."""
+
+    answer: str = Field(default="", max_length=100_000)
+    metadata: dict[str, Any] = {}
+
+
 class GenerateRequest(_Model):
     """Plain sampling for evaluation: either `prompts`, rendered as training prompts are without a row
     (the config's system prompt and prompt template with the string as {prompt}, then the chat template),
@@ -187,11 +194,20 @@ class GenerateRequest(_Model):
     n: int = Field(default=1, ge=1, le=64)
     temperature: float = Field(default=0.0, ge=0.0, le=5.0, description="0 = greedy")
     max_tokens: int | None = Field(default=None, ge=1, le=32768)
+    rows: list[EpisodeRow] | None = Field(
+        default=None,
+        description="one per prompt: play each sample as an episode in the server's environment (env.kind "
+        "other than single_turn), max_tokens a turn; the output's text is then the model's last turn",
+    )
 
     @model_validator(mode="after")
     def _one_kind(self) -> GenerateRequest:
         if (self.prompts is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompts' and 'messages'")
+        if self.rows is not None and len(self.rows) != self.count:
+            raise ValueError(
+                f"'rows' has {len(self.rows)} entries for {self.count} prompts; give one per prompt"
+            )
         return self
 
     @property
@@ -201,8 +217,12 @@ class GenerateRequest(_Model):
 
 class GeneratedText(_Model):
     text: str
-    token_ids: list[TokenId]
+    token_ids: list[TokenId]  # an episode's: everything after the prompt, the environment's tokens included
     finish_reason: Literal["stop", "length"]
+    turns: int = Field(default=1, ge=1, description="the model's turns (an episode's; else 1)")
+    messages: list[ChatMessage] | None = Field(
+        default=None, description="an episode's whole conversation, the prompt's messages first"
+    )
 
 
 class GenerateResponse(_Model):

@@ -139,3 +139,21 @@ def test_shared_prompt_counts_each_prompt_once_and_logits_only_where_scored():
     assert (packed[logits] - chunk) / (plain[logits] - chunk) == pytest.approx((8 * 512 + 2) / 6144)
     # Two rows of 256 + 4 x 512 tokens, bool + bf16 masks
     assert packed["attention masks (packed rows: bool + bf16)"] == 3 * 2 * (256 + 4 * 512) ** 2
+
+
+def test_episodes_count_their_whole_length_environment_tokens_included():
+    d = Dims.from_config(R1_DISTILL_1_5B)
+    over = [
+        "learner.shared_prompt=false",
+        "learner.gradient_checkpointing=false",
+        "sampling.max_new_tokens=512",
+    ]
+    one_turn = estimate(_cfg(*over), d)["learner"]["activations"]
+    # Several turns: up to env.max_tokens after the prompt (1536 = three turns of 512), so a sequence
+    # is 256 + 1536 tokens, not 256 + 512: the plain path's activations scale with it.
+    env = ["env.kind=multi_turn", "env.step=m:f", "env.max_tokens=1536", "model.max_model_len=4096"]
+    episodes = estimate(_cfg(*over, *env), d)["learner"]["activations"]
+    assert episodes / one_turn == pytest.approx((256 + 1536) / (256 + 512))
+    # Unbounded by env.max_tokens: what model.max_model_len leaves after the prompt.
+    room = estimate(_cfg(*over, *env[:2], "model.max_model_len=2048"), d)["learner"]["activations"]
+    assert room / one_turn == pytest.approx(2048 / (256 + 512))

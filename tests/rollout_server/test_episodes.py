@@ -5,8 +5,10 @@ test_episodes_e2e.py."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import textwrap
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -53,17 +55,23 @@ def env_ids(role: str, *contents: str) -> list[int]:
 class ScriptedBackend:
     """Answers each engine input with `script(input text, sample index)` and <|im_end|>; token t of a
     turn has logprob -(t + 1) / 100 - turn / 10, so every logprob of an episode is distinct. Records
-    every engine input."""
+    every engine input. `hold`: an asyncio.Event every later turn waits for (a test sets it)."""
 
     name = "scripted"
     one_version = False
 
-    def __init__(self, script):
+    def __init__(self, script, hold=None):
         self.tokenizer = ChatMLTokenizer()
         self.script = script
+        self.hold = hold
         self.inputs: list[list[int]] = []
 
     async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True):
+        later = [p for p in prompts if self.tokenizer.decode(p).count("<|im_start|>assistant") > 1]
+        if later and self.hold is not None:
+            self.inputs += [list(p) for p in prompts]  # in the engine, held
+            await self.hold.wait()
+            del self.inputs[-len(prompts) :]
         out = []
         for prompt in prompts:
             self.inputs.append(list(prompt))
@@ -141,6 +149,70 @@ def test_a_three_turn_episode_is_the_sampled_and_appended_tokens_exactly(tmp_pat
         if turns[i] > 1:
             before = [y for y, k in zip(backend.inputs[:i], turns[:i], strict=True) if k == turns[i] - 1]
             assert any(len(y) < len(x) and x[: len(y)] == y for y in before), f"input {i} re-rendered"
+
+
+def test_evaluation_plays_each_sample_as_an_episode_with_the_rows_answer(tmp_path):
+    (tmp_path / "game.py").write_text(
+        "def step(messages, answer, metadata):\n"
+        "    said = messages[-1]['content']\n"
+        "    return (None, True) if said.endswith(answer) else (f'not {said}, {metadata[\"hint\"]}', False)\n"
+    )
+    backend = ScriptedBackend(lambda text, i: f"guess {text.count('<|im_start|>assistant')}")
+    env = {"kind": "multi_turn", "step": f"{tmp_path}/game.py:step", "max_turns": 4}
+    with TestClient(fake_app(tmp_path, backend, problems=PROBLEMS, env=env, reward={"timeout_s": 30})) as c:
+        body = {
+            "prompts": ["a", "b"],
+            "n": 2,
+            "rows": [{"answer": "2", "metadata": {"hint": "up"}}, {"answer": "9"}],
+        }
+        body["rows"][1]["metadata"] = {"hint": "down"}
+        r = c.post("/v1/generate", json=body)
+        assert r.status_code == 200, r.text
+        solved, capped = r.json()["outputs"]
+        for o in solved:  # the answer 2 is said at the second turn
+            assert (o["text"], o["turns"]) == ("guess 2", 2)
+            assert [m["content"] for m in o["messages"][-3:]] == ["guess 1", "not guess 1, up", "guess 2"]
+        for o in capped:  # never said: env.max_turns ends it
+            assert (o["text"], o["turns"]) == ("guess 4", 4) and "not guess 3, down" in o["messages"][-2][
+                "content"
+            ]
+        r = c.post("/v1/generate", json={"prompts": ["a"], "rows": []})
+        assert r.status_code == 422 and "one per prompt" in r.text
+    with TestClient(fake_app(tmp_path / "plain", ScriptedBackend(lambda text, i: "x"))) as c:
+        r = c.post("/v1/generate", json={"prompts": ["a"], "rows": [{"answer": "1"}]})
+        assert r.status_code == 422 and "no environment" in r.text
+
+
+def test_an_episode_cut_by_a_sleep_is_made_again_whole(tmp_path):
+    (tmp_path / "game.py").write_text(
+        "def step(messages, answer, metadata):\n"
+        "    turns = sum(m['role'] == 'assistant' for m in messages)\n"
+        "    return (None, True) if turns == 2 else ('again', False)\n"
+    )
+    hold = asyncio.Event()
+    backend = ScriptedBackend(lambda text, i: f"guess {text.count('<|im_start|>assistant')}", hold)
+    env = {"kind": "multi_turn", "step": f"{tmp_path}/game.py:step"}
+    app = fake_app(tmp_path, backend, problems=PROBLEMS, env=env, reward={"timeout_s": 30})
+    with TestClient(app) as c:
+        deadline = time.monotonic() + 30
+        while (
+            not any(len(x) > len(backend.inputs[0]) for x in backend.inputs) and time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
+        held = len(backend.inputs)
+        assert held > 2  # the first batch's second turns are in the engine, held there
+        c.post("/v1/sleep")  # cancels the batch mid-episode
+        assert c.get("/health").json()["queue_depth"] == 0  # nothing half-done was queued
+        c.post("/v1/wake")
+        app.state.loop.call_soon_threadsafe(hold.set)
+        groups = _pull_all(c, 2)
+    (t1, _), (t2, _) = turn("guess 1", 1), turn("guess 2", 2)
+    for g in groups:  # whole episodes: both turns and the environment's message between them
+        assert all(x["token_ids"] == t1 + env_ids("user", "again") + t2 for x in g["completions"])
+    first_turns = [
+        x for x in backend.inputs if ChatMLTokenizer().decode(x).count("<|im_start|>assistant") == 1
+    ]
+    assert len(first_turns) > len(set(map(tuple, first_turns)))  # the cut batch's first turns sampled again
 
 
 def test_the_appended_tokens_are_the_templates_for_the_message_after_an_end_of_turn():
