@@ -9,16 +9,17 @@ tokens (the only ones trained on).
 The environment's tokens. A message's tokens are what the template adds for it after an assistant turn:
 render(BASE + messages, generation prompt) minus render(BASE), where BASE is a fixed user/assistant
 exchange, preceded by the template's glue after the assistant's end-of-turn token (ChatML's "\\n" after
-`<|im_end|>`, which the model does not sample: it stops at `<|im_end|>`). They depend on the message only,
-never on the conversation before it. Templates that render earlier turns differently once more follow
+`<|im_end|>`, which the model does not sample: it stops at `<|im_end|>`), and by the end-of-turn token
+itself after a turn cut at sampling.max_new_tokens (the environment closes it, as a chat API re-rendering
+the cut text would). They depend on the message only, never on the conversation before it. Templates that render earlier turns differently once more follow
 (e.g. ones that drop past reasoning) would make a re-rendered conversation differ from what was sampled;
 tandem keeps the sampled tokens instead, since those are what the policy produced and what the learner
 must score. A template whose render(BASE) is not a prefix of render(BASE + messages) at all cannot be
 appended to and is refused with that reason.
 
-A model turn cut by its token limit (finish_reason "length") ends the episode, as does reaching
-env.max_turns or the episode's token budget (env.max_tokens): an episode is never cut inside an
-environment message, and always ends on the model's tokens.
+An episode ends when the environment says so, at env.max_turns, or at its token budget (env.max_tokens):
+it is never cut inside an environment message, and always ends on the model's tokens; its finish_reason
+is its last turn's, or "length" when the budget ended it.
 
 Tools: the model calls one by writing `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the
 Hermes/Qwen format, which tandem also teaches models whose template has no tools: the schemas go into the
@@ -59,27 +60,35 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, **kw) -> l
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids)
 
 
+def _after_last(ids: list[int], token: int | None) -> list[int] | None:
+    """`ids` from the last occurrence of `token` on (itself included); None when it does not occur."""
+    if token is None or token not in ids:
+        return None
+    return ids[len(ids) - 1 - ids[::-1].index(token) :]
+
+
 class Appender:
     """The tokens an environment message adds after a model turn, as the chat template renders it."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._base = _render(tokenizer, BASE, False)
+        # How the template closes an assistant turn: its end-of-turn token and what follows it.
+        self._close = _after_last(self._base, getattr(tokenizer, "eos_token_id", None)) or []
 
     def environment_ids(self, messages: list[dict], stop_id: int | None) -> list[int]:
         """Tokens of `messages` and the next assistant header, to follow a model turn that ended with
-        `stop_id` (the token that stopped it; None: none did)."""
+        `stop_id` (the token that stopped it), or that was cut short (None): the environment then closes
+        the turn for it with the template's end-of-turn, as a chat API re-rendering the cut text would."""
         after = _render(self.tokenizer, BASE + messages, True)
         if after[: len(self._base)] != self._base:
             raise EpisodeError(
                 "the chat template renders a conversation differently once a message follows it, so the "
                 "environment's tokens cannot be appended to what the model sampled"
             )
-        glue: list[int] = []
-        if stop_id is not None and stop_id in self._base:  # what the template puts after end-of-turn
-            last = len(self._base) - 1 - self._base[::-1].index(stop_id)
-            glue = self._base[last + 1 :]
-        return glue + after[len(self._base) :]
+        ended = _after_last(self._base, stop_id)  # the stop token as the template has it, and the glue
+        close = ended[1:] if ended is not None else self._close if stop_id is None else []
+        return close + after[len(self._base) :]
 
 
 @dataclass
@@ -112,7 +121,7 @@ class Episode:
         self.turns += 1
         self.finish_reason, self.last_text = sample.finish_reason, sample.text
         self.messages.append({"role": "assistant", "content": sample.text})
-        if sample.finish_reason == "length" or len(self.ids) >= self.budget:
+        if len(self.ids) >= self.budget:
             self.done = True
 
     def add_environment(self, messages: list[dict], ids: list[int]) -> None:
@@ -213,7 +222,7 @@ class Environment:
         if messages is None or not messages:
             episode.done = True
             return
-        stop = episode.ids[-1] if episode.finish_reason == "stop" else None  # the token that ended the turn
+        stop = episode.ids[-1] if episode.finish_reason == "stop" else None  # None: cut at max_new_tokens
         episode.add_environment(messages, self.appender.environment_ids(messages, stop))
 
     async def _step(self, episode: Episode, answer: str, metadata: dict) -> list[dict] | None:

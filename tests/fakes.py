@@ -160,13 +160,14 @@ def fake_app(
     reward=None,
     env=None,
     model=None,
+    sampling=None,
     **server,
 ):
-    """The real app (G = 4, batches of 2 prompts) on `backend`, state under tmp_path/state; `reward`, `env`
-    and `model`: those sections."""
+    """The real app (G = 4, batches of 2 prompts) on `backend`, state under tmp_path/state; `reward`, `env`,
+    `model` and `sampling`: those sections (sampling's group_size 4 unless it says otherwise)."""
     cfg = TandemConfig.model_validate(
         {
-            "sampling": {"group_size": 4},
+            "sampling": {"group_size": 4, **(sampling or {})},
             "server": {"state_dir": str(tmp_path / "state"), "prompts_per_batch": 2, **server},
             "reward": reward or {},
             "env": env or {},

@@ -215,11 +215,32 @@ def test_an_episode_cut_by_a_sleep_is_made_again_whole(tmp_path):
     assert len(first_turns) > len(set(map(tuple, first_turns)))  # the cut batch's first turns sampled again
 
 
+def test_a_turn_cut_at_max_new_tokens_is_closed_by_the_environment_and_the_episode_goes_on(tmp_path):
+    (tmp_path / "game.py").write_text(
+        "def step(messages, answer, metadata):\n"
+        "    turns = sum(m['role'] == 'assistant' for m in messages)\n"
+        "    return (None, True) if turns == 2 else ('go on', False)\n"
+    )
+    backend = ScriptedBackend(lambda text, i: "a long ramble" if text.count("assistant") == 1 else "ok")
+    env = {"kind": "multi_turn", "step": f"{tmp_path}/game.py:step"}
+    cut_at_6 = {"max_new_tokens": 6}  # the first turn is cut: "a long"
+    app = fake_app(tmp_path, backend, problems=PROBLEMS, env=env, reward={"timeout_s": 30}, sampling=cut_at_6)
+    with TestClient(app) as c:
+        groups = _pull_all(c, 1)
+    cut, _ = turn("a long", 1)
+    cut = cut[:-1]  # no end-of-turn: it was cut
+    ok, _ = turn("ok", 2)
+    for x in groups[0]["completions"]:
+        assert x["token_ids"] == cut + [IM_END] + env_ids("user", "go on") + ok
+        assert x["mask"] == [1] * 6 + [0] * (1 + len(env_ids("user", "go on"))) + [1] * len(ok)
+        assert x["finish_reason"] == "stop"  # the episode's last turn ended it
+
+
 def test_the_appended_tokens_are_the_templates_for_the_message_after_an_end_of_turn():
     a = Appender(ChatMLTokenizer())
     assert a.environment_ids([{"role": "tool", "content": "42"}], IM_END) == env_ids("tool", "42")
-    # A turn that no end-of-turn closed gets no glue (it never happens within an episode: such a turn ends it)
-    assert a.environment_ids([{"role": "user", "content": "x"}], None) == env_ids("user", "x")[1:]
+    # A turn cut at max_new_tokens: the environment closes it with the template's end-of-turn first
+    assert a.environment_ids([{"role": "user", "content": "x"}], None) == [IM_END] + env_ids("user", "x")
 
 
 def test_tool_calls_parse_and_a_malformed_one_is_a_message_for_the_model():
