@@ -293,8 +293,6 @@ class VllmBackend:
         if not cuda and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # an explicit setting wins
             cpus = sorted(os.sched_getaffinity(0))[: vc.cpu_threads]
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
-        if vc.malloc_arena_max:  # read by glibc as vLLM's processes start (they inherit this environment)
-            os.environ["MALLOC_ARENA_MAX"] = str(vc.malloc_arena_max)
         merge = vc.adapter_mode == "merge"
         lora = {"max_lora_rank": cfg.server.max_lora_rank, "max_loras": cfg.server.max_loras}
         args = AsyncEngineArgs(

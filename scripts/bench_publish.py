@@ -26,7 +26,7 @@ from pathlib import Path
 from learner.client import RolloutClient
 from shared.models import random_adapter, resolve_model
 from shared.net import free_port
-from shared.procs import start_server, tandem_env
+from shared.procs import pull_until_version, start_server, tandem_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,12 +98,7 @@ def main() -> int:
                 uploads.append(time.perf_counter() - t0)
                 if mode == "timeslice":
                     client.wake()
-                while True:
-                    pulled = client.pull(2, wait_s=120)
-                    if pulled.lease_id:
-                        client.ack(pulled.lease_id)
-                    if any(g.policy_version >= v for g in pulled.groups):
-                        break
+                pull_until_version(client, v)
                 latencies.append(time.perf_counter() - t0)
                 tree = psutil.Process(server.pid)
                 peak_rss = max(

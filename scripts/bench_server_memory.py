@@ -1,15 +1,15 @@
-"""The rollout server's memory per version served: each process's resident memory as versions go by.
+"""The rollout server's memory as versions go by: each of its processes' resident memory, and its slope.
 
-    .venv/bin/python scripts/bench_server_memory.py [--versions 60] [--arenas 1,0] [--train]
+    .venv/bin/python scripts/bench_server_memory.py [--versions 60] [--train] [--with-env NAME=VALUE ...]
 
-For each value of server.vllm.malloc_arena_max (0: glibc's default), starts the vLLM server of
-deploy/configs/cpu.toml in bf16 (where the CPU computes in it; else fp32) with the demo's batches (4 prompts
-x G 8, 32 tokens), and N times, time-sliced as the learner does: sleep, publish a new version (three random
-adapters in turn), wake, pull and ack until a group of that version arrives. With --train, the real
-learner instead trains N steps on it (the demo's run: 4 prompts a step). Samples the resident memory of the
-app and of each of vLLM's processes every 5 versions and prints it, then each process's growth per version
-over the second half of the run (after warm-up), and the worker's growth with the default arenas over that
-with the setting.
+Starts the vLLM server of deploy/configs/cpu.toml in bf16 (where the CPU computes in it; else fp32) with
+the demo's batches (4 prompts x G 8, 32 tokens), and N times, time-sliced as the learner does: sleep,
+publish a new version (three random adapters in turn), wake, pull and ack until a group of that version
+arrives. With --train, the real learner trains N steps on it instead (the demo's run: 4 prompts a step,
+dynamic sampling). Samples the resident memory of the app and of each of vLLM's processes every 5 versions
+and prints it, then each process's growth per version over the second half of the run (after warm-up).
+With --with-env, the same run again with those environment variables in the server's processes (e.g.
+MALLOC_ARENA_MAX=1), side by side, and the ratio of the worker's growth (docs/benchmarks.md §6b).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from learner.client import RolloutClient
 from shared.config import native_dtype
 from shared.models import random_adapter, resolve_model
 from shared.net import free_port
-from shared.procs import start_server, tandem_env
+from shared.procs import pull_until_version, start_server, tandem_env
 
 
 def resident(pid: int) -> dict[str, float]:
@@ -41,16 +41,15 @@ def resident(pid: int) -> dict[str, float]:
     return out
 
 
-def train(arenas: int, steps: int, work: Path) -> list[tuple[int, dict[str, float]]]:
+def train(name: str, env: dict, steps: int, work: Path) -> list[tuple[int, dict[str, float]]]:
     """The demo's run for `steps` steps; resident memory of the server's processes after every 5th."""
     import time
 
     from shared.procs import Proc
 
-    port, token, out = free_port(), secrets.token_hex(8), work / f"train-{arenas}"
+    port, token, out = free_port(), secrets.token_hex(8), work / f"train-{name}"
     cli = [
         f"--model.dtype={native_dtype()}",
-        f"--server.vllm.malloc_arena_max={arenas}",
         *("--learner.prompts_per_step=4", "--learner.grad_accum=4", "--server.queue_size=8"),  # the demo's
         f"--learner.steps={steps}",
         f"--server.state_dir={out / 'server'}",
@@ -58,11 +57,11 @@ def train(arenas: int, steps: int, work: Path) -> list[tuple[int, dict[str, floa
         f"--learner.server_url=http://127.0.0.1:{port}",
     ]
     server, _ = start_server(
-        "deploy/configs/cpu.toml", cli, port, work / f"server-{arenas}.log", tandem_env(token)
+        "deploy/configs/cpu.toml", cli, port, work / f"server-{name}.log", tandem_env(token, **env)
     )
     learner = Proc(
         ["-m", "learner", "--config", "deploy/configs/cpu.toml", *cli],
-        work / f"learner-{arenas}.log",
+        work / f"learner-{name}.log",
         tandem_env(token),
     )
     samples, metrics = [], out / "learner" / "metrics.jsonl"
@@ -72,7 +71,7 @@ def train(arenas: int, steps: int, work: Path) -> list[tuple[int, dict[str, floa
             if step and step % 5 == 0 and (not samples or samples[-1][0] != step):
                 samples.append((step, resident(server.pid)))
                 print(
-                    f"  arenas={arenas} step {step}: "
+                    f"  [{name}] step {step}: "
                     + ", ".join(f"{k} {m:.0f}" for k, m in samples[-1][1].items()),
                     flush=True,
                 )
@@ -85,18 +84,19 @@ def train(arenas: int, steps: int, work: Path) -> list[tuple[int, dict[str, floa
     return samples
 
 
-def run(arenas: int, versions: int, adapters: list[Path], work: Path) -> list[tuple[int, dict[str, float]]]:
+def run(
+    name: str, env: dict, versions: int, adapters: list[Path], work: Path
+) -> list[tuple[int, dict[str, float]]]:
     port, token = free_port(), secrets.token_hex(8)
     cli = [
         f"--model.dtype={native_dtype()}",
-        f"--server.state_dir={work / f'server-{arenas}'}",
-        f"--server.vllm.malloc_arena_max={arenas}",
+        f"--server.state_dir={work / f'server-{name}'}",
         "--sampling.max_new_tokens=32",
         "--server.prompts_per_batch=4",
         "--server.queue_size=4",
     ]
     server, url = start_server(
-        "deploy/configs/cpu.toml", cli, port, work / f"server-{arenas}.log", tandem_env(token)
+        "deploy/configs/cpu.toml", cli, port, work / f"server-{name}.log", tandem_env(token, **env)
     )
     client, samples = RolloutClient(url, token=token), []
     try:
@@ -104,17 +104,11 @@ def run(arenas: int, versions: int, adapters: list[Path], work: Path) -> list[tu
             client.sleep()
             client.publish(v, adapters[v % len(adapters)])
             client.wake()
-            while True:
-                pulled = client.pull(4, wait_s=300)
-                if pulled.lease_id:
-                    client.ack(pulled.lease_id)
-                if any(g.policy_version >= v for g in pulled.groups):
-                    break
+            pull_until_version(client, v, max_groups=4, wait_s=300)
             if v == 1 or v % 5 == 0:
                 samples.append((v, resident(server.pid)))
                 print(
-                    f"  arenas={arenas} v{v}: "
-                    + ", ".join(f"{k} {m:.0f}" for k, m in samples[-1][1].items()),
+                    f"  [{name}] v{v}: " + ", ".join(f"{k} {m:.0f}" for k, m in samples[-1][1].items()),
                     flush=True,
                 )
     finally:
@@ -133,36 +127,45 @@ def slope(samples: list[tuple[int, dict[str, float]]], name: str) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--versions", type=int, default=60, help="versions published per server (>= 20)")
+    p.add_argument("--versions", type=int, default=60, help="versions (or --train steps) per run (>= 20)")
+    p.add_argument("--train", action="store_true", help="the real learner trains --versions steps instead")
     p.add_argument(
-        "--arenas", default="1,0", help="malloc_arena_max values to run, side by side (0: default)"
+        "--with-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="run again with this in the server's environment, side by side (repeat for several)",
     )
     args = p.parse_args()
     if args.versions < 20:
         p.error("--versions must be >= 20: the slope is taken over the second half")
+    if any("=" not in e for e in args.with_env):
+        p.error("--with-env takes NAME=VALUE")
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-memory-"))
     model = resolve_model("smollm2-135m")
     adapters = (
         [] if args.train else [random_adapter(model, work / f"a{i}", seed=i, scale=0.01) for i in range(3)]
     )
+    runs = {"baseline": {}}
+    if args.with_env:
+        runs[" ".join(args.with_env)] = dict(e.split("=", 1) for e in args.with_env)
+    what = "training steps" if args.train else "versions, time-sliced"
     results = {}
-    for arenas in (int(a) for a in args.arenas.split(",")):
-        what = "training steps" if args.train else "versions, time-sliced"
-        print(f"server.vllm.malloc_arena_max={arenas}: {args.versions} {what} ...", flush=True)
+    for i, (name, env) in enumerate(runs.items()):  # tag: its files and progress lines
+        print(f"[{name}] {args.versions} {what} ...", flush=True)
+        tag = "baseline" if i == 0 else "with-env"
         if args.train:
-            results[arenas] = train(arenas, args.versions, work)
+            results[name] = train(tag, env, args.versions, work)
         else:
-            results[arenas] = run(arenas, args.versions, adapters, work)
-    print(
-        f"\nresident memory growth per version, versions {args.versions // 2}..{args.versions} (MiB/version):"
-    )
-    for arenas, samples in results.items():
-        names = samples[-1][1]
-        print(f"  malloc_arena_max={arenas}: " + ", ".join(f"{k} {slope(samples, k):+.2f}" for k in names))
-    if 0 in results and 1 in results:
-        worker = next(k for k in results[0][-1][1] if "Worker" in k)
-        a, b = slope(results[0], worker), slope(results[1], worker)
-        print(f"worker growth, glibc's default arenas / one arena: {a:.2f} / {b:.2f} MiB per version")
+            results[name] = run(tag, env, args.versions, adapters, work)
+    per = "step" if args.train else "version"
+    print(f"\nresident memory growth per {per}, {per}s {args.versions // 2}..{args.versions} (MiB/{per}):")
+    for name, samples in results.items():
+        print(f"  [{name}] " + ", ".join(f"{k} {slope(samples, k):+.2f}" for k in samples[-1][1]))
+    if len(results) == 2:
+        (a, sa), (b, sb) = results.items()
+        worker = next(k for k in sa[-1][1] if "Worker" in k)
+        print(f"vLLM worker's growth, [{b}] / [{a}]: {slope(sb, worker) / slope(sa, worker):.2f}")
     return 0
 
 

@@ -240,15 +240,6 @@ class VllmConfig(_Section):
         "them; vLLM's own default keeps one for its scheduler, half of a 2-core machine (1.7x slower here). "
         "In split placement on one machine, leave the learner its share",
     )
-    malloc_arena_max: int = Field(
-        default=1,
-        ge=0,
-        le=1024,
-        description="glibc malloc arenas in vLLM's own processes (MALLOC_ARENA_MAX); 0: glibc's default (8 "
-        "per core). With the default, the worker's memory grew with every version served (a weight switch "
-        "then a batch: ~5-9 MiB a step on CPU), memory freed by one thread kept in its arena while another's "
-        "grew; 1 levels off (docs/benchmarks.md §6)",
-    )
     adapter_mode: Literal["lora", "merge"] = Field(
         default="lora",
         description="'lora': each version is a LoRA adapter applied by vLLM's LoRA kernels; 'merge': the "

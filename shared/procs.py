@@ -103,3 +103,14 @@ def start_server(
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, url, timeout)
     return proc, url
+
+
+def pull_until_version(client, version: int, max_groups: int = 2, wait_s: float = 120.0) -> None:
+    """Pull and ack groups from a rollout server (a learner.client.RolloutClient) until one of `version`
+    or later arrives: the first group under a version just published (benchmarks)."""
+    while True:
+        pulled = client.pull(max_groups, wait_s=wait_s)
+        if pulled.lease_id:
+            client.ack(pulled.lease_id)
+        if any(g.policy_version >= version for g in pulled.groups):
+            return

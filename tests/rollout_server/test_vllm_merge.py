@@ -126,16 +126,3 @@ def test_the_cpu_config_serves_merged_on_vllm():
 
     cfg = load_config(REPO / "deploy/configs/cpu.toml")
     assert cfg.server.backend == "vllm" and cfg.server.vllm.adapter_mode == "merge"
-
-
-def test_vllms_processes_run_with_one_malloc_arena(server):
-    # server.vllm.malloc_arena_max (1 by default): with glibc's 8 arenas per core, the worker's resident
-    # memory grew with every version served (docs/benchmarks.md §6b, scripts/bench_server_memory.py).
-    import psutil
-
-    proc, _, _ = server
-    children = psutil.Process(proc.pid).children(recursive=True)
-    engine = [c for c in children if c.name().startswith("VLLM::")]
-    assert {c.name() for c in engine} >= {"VLLM::EngineCore", "VLLM::Worker"}, [c.name() for c in children]
-    for c in engine:
-        assert c.environ().get("MALLOC_ARENA_MAX") == "1", c.name()
