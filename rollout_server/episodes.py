@@ -11,11 +11,11 @@ render(BASE + messages, generation prompt) minus render(BASE), where BASE is a f
 exchange, preceded by the template's glue after the assistant's end-of-turn token (ChatML's "\\n" after
 `<|im_end|>`, which the model does not sample: it stops at `<|im_end|>`), and by the end-of-turn token
 itself after a turn cut at sampling.max_new_tokens (the environment closes it, as a chat API re-rendering
-the cut text would). They depend on the message only, never on the conversation before it. Templates that render earlier turns differently once more follow
-(e.g. ones that drop past reasoning) would make a re-rendered conversation differ from what was sampled;
-tandem keeps the sampled tokens instead, since those are what the policy produced and what the learner
-must score. A template whose render(BASE) is not a prefix of render(BASE + messages) at all cannot be
-appended to and is refused with that reason.
+the cut text would). They depend on the message only, never on the conversation before it. Templates
+that render earlier turns differently once more follow (e.g. ones that drop past reasoning) would make a
+re-rendered conversation differ from what was sampled; tandem keeps the sampled tokens instead, since
+those are what the policy produced and what the learner must score. A template whose render(BASE) is not
+a prefix of render(BASE + messages) at all cannot be appended to and is refused with that reason.
 
 An episode ends when the environment says so, at env.max_turns, or at its token budget (env.max_tokens):
 it is never cut inside an environment message, and always ends on the model's tokens; its finish_reason
