@@ -512,9 +512,12 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
             raise DatasetError(
                 f"server.shard_index={shard[0]} of server.num_shards={shard[1]} has no problems"
             )
-    problems, dropped = drop_long_prompts(
-        problems, AutoTokenizer.from_pretrained(model_path), cfg.model.max_model_len
-    )
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if cfg.env.kind != "single_turn":  # its functions import, its tools have schemas, the template appends
+        from rollout_server.episodes import build
+
+        build(cfg.env, tokenizer)
+    problems, dropped = drop_long_prompts(problems, tokenizer, cfg.model.max_model_len)
     if dropped:
         log.warning(
             "skipped %d of %d %s problems whose prompt alone leaves no room within model.max_model_len=%d "

@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.config import EnvConfig
+from shared.config import ConfigError, EnvConfig
 from shared.datasets import chat_prompt_ids
 
 BASE = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
@@ -49,7 +49,7 @@ TOOLS_PREAMBLE = (
 )
 
 
-class EpisodeError(ValueError):
+class EpisodeError(ConfigError):
     """An environment that cannot run with this tokenizer or these functions; the message says why."""
 
 
@@ -285,23 +285,17 @@ async def run_turns(
             e.add_model_turn(s)
 
 
-def build(cfg: EnvConfig, tokenizer, runner) -> tuple[Environment, list[dict]]:
+def build(cfg: EnvConfig, tokenizer, call=None) -> tuple[Environment, list[dict]]:
     """The environment of `cfg` (not single_turn) and its tools' schemas, its functions imported and
-    checked now: an EpisodeError names what cannot run. User code then runs in `runner`'s workers."""
-    from shared.rewards import load_function
+    checked now: an EpisodeError names what cannot run. User code then runs through `call` (the reward
+    runner's call_env; None: only checking)."""
+    from shared.rewards import load_env
 
-    specs = [cfg.step] if cfg.kind == "multi_turn" else list(cfg.tools)
-    args = (([], "", {}), "(messages, answer, metadata)") if cfg.kind == "multi_turn" else None
-    functions = {}
-    for spec in specs:
-        try:
-            functions[spec] = load_function(spec, args)
-        except ValueError as e:
-            raise EpisodeError(f"env: {e}") from None
+    functions = load_env(cfg)
     schemas = tool_schemas(functions) if cfg.kind == "tools" else []
     names = [s["function"]["name"] for s in schemas]
     if len(set(names)) != len(names):
         raise EpisodeError(f"env.tools: two tools share a name ({', '.join(names)})")
-    env = Environment(cfg, tokenizer, runner.call_env, names)
+    env = Environment(cfg, tokenizer, call, names)
     env.appender.environment_ids([{"role": "tool" if schemas else "user", "content": "."}], None)  # renders?
     return env, schemas

@@ -142,7 +142,7 @@ class Producer:
         # Episodes of several turns: the environment, and the tools' schemas the prompts describe.
         self.env, self._tools = None, []
         if cfg.env.kind != "single_turn":
-            self.env, self._tools = episodes.build(cfg.env, backend.tokenizer, rewards)
+            self.env, self._tools = episodes.build(cfg.env, backend.tokenizer, rewards.call_env)
 
     def conversation_ids(self, conversation: list[dict]) -> list[int]:
         """A conversation as the prompt the model sees: through the chat template, with the environment's

@@ -83,12 +83,14 @@ def parse_cli(
 
 def check_task(cfg: TandemConfig) -> None:
     """What --check-config can check beyond the config's own fields without loading a model: that every
-    reward function imports and takes the documented arguments, and that a custom dataset reads and has
-    the mapped columns. Raises ConfigError."""
+    reward function and the environment's functions import and take the documented arguments, and that
+    a custom dataset reads and has the mapped columns. Raises ConfigError."""
     from shared.datasets import DatasetError, load_problems
-    from shared.rewards import resolve
+    from shared.rewards import load_env, resolve
 
     resolve(cfg.reward)
+    if cfg.env.kind != "single_turn":
+        load_env(cfg.env)
     if cfg.data.task == "custom":
         try:
             load_problems(cfg.data)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from shared.config import ConfigError, RewardConfig
+from shared.config import ConfigError, EnvConfig, RewardConfig
 from shared.reward import verify
 
 log = logging.getLogger("tandem.reward")
@@ -164,6 +164,22 @@ def resolve(cfg: RewardConfig) -> list[RewardFunction]:
             raise ConfigError(f"reward.functions[{i}]: a second function named '{name}' (names must differ)")
         out.append(RewardFunction(name, spec, weight, spec in BUILTINS and BUILTINS[spec][1], fn))
     return out
+
+
+def load_env(cfg: EnvConfig) -> dict[str, Callable[..., Any]]:
+    """The environment's functions by spec (env.step, or each of env.tools), imported; a step checked to
+    take (messages, answer, metadata). A ConfigError names the field at fault."""
+    if cfg.kind == "multi_turn":
+        fields, args = [("env.step", cfg.step)], (([], "", {}), "(messages, answer, metadata)")
+    else:
+        fields, args = [(f"env.tools[{i}]", spec) for i, spec in enumerate(cfg.tools)], None
+    functions = {}
+    for field, spec in fields:
+        try:
+            functions[spec] = load_function(spec, args)
+        except ValueError as e:
+            raise ConfigError(f"{field}: {e}") from None
+    return functions
 
 
 # -- running -----------------------------------------------------------------------------------------

@@ -243,6 +243,15 @@ def test_the_appended_tokens_are_the_templates_for_the_message_after_an_end_of_t
     assert a.environment_ids([{"role": "user", "content": "x"}], None) == [IM_END] + env_ids("user", "x")
 
 
+def test_a_tool_without_a_schema_is_refused_at_start_naming_it(tmp_path):
+    from rollout_server.episodes import EpisodeError, build
+    from shared.config import EnvConfig
+
+    (tmp_path / "t.py").write_text("def bare(x):\n    return x\n")
+    with pytest.raises(EpisodeError, match=r"env.tools: '.*t.py:bare': .*no docstring"):
+        build(EnvConfig(kind="tools", tools=[f"{tmp_path}/t.py:bare"]), ChatMLTokenizer())
+
+
 def test_tool_calls_parse_and_a_malformed_one_is_a_message_for_the_model():
     assert parse_tool_calls('ok <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>') == [
         {"name": "add", "arguments": {"a": 1}}

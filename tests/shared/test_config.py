@@ -154,6 +154,10 @@ def test_cli_error_is_one_line():
             ['--reward.functions=["gsm8k", "r1_format"]', "--reward.weights=[1.0]"],
             "error: invalid config: reward.weights",
         ),
+        (["--env.kind=multi_turn", "--env.step=no_such_env:step"], "error: env.step: 'no_such_env:step': "),
+        (["--env.kind=multi_turn", "--env.step=json:dumps"], "error: env.step: 'json:dumps': must accept "),
+        (["--env.kind=tools", '--env.tools=["json:nope"]'], "error: env.tools[0]: 'json:nope': json has no"),
+        (["--env.kind=tools"], "error: invalid config: env.kind = 'tools' needs env.tools"),
     ],
 )
 @pytest.mark.parametrize("entry", ["rollout_server", "learner"])
