@@ -200,9 +200,9 @@ def tools_prompt_ids(tokenizer, conversation: list[dict], schemas: list[dict]) -
 
 
 class Environment:
-    """Runs the turns after the first: `step(episodes, answer, metadata)` gives each unfinished episode
-    the environment's reply. `call(spec, args) -> (value, failure kind | None)` runs user code (the
-    reward workers)."""
+    """The environment's side of the turns after the first: `respond(episode, answer, metadata)` appends
+    its reply to an unfinished episode, or ends it. `call(spec, args) -> (value, failure kind | None)`
+    runs user code (the reward workers)."""
 
     def __init__(self, cfg: EnvConfig, tokenizer, call, tool_names: list[str] = ()):
         self.cfg = cfg
@@ -219,7 +219,7 @@ class Environment:
             messages = await self._step(episode, answer, metadata)
         else:
             messages = await self._tool_results(episode)
-        if messages is None or not messages:
+        if not messages:  # done, failed, or nothing to say
             episode.done = True
             return
         stop = episode.ids[-1] if episode.finish_reason == "stop" else None  # None: cut at max_new_tokens
@@ -297,5 +297,6 @@ def build(cfg: EnvConfig, tokenizer, call=None) -> tuple[Environment, list[dict]
     if len(set(names)) != len(names):
         raise EpisodeError(f"env.tools: two tools share a name ({', '.join(names)})")
     env = Environment(cfg, tokenizer, call, names)
-    env.appender.environment_ids([{"role": "tool" if schemas else "user", "content": "."}], None)  # renders?
+    # The template can be appended to with the messages this environment sends (else EpisodeError).
+    env.appender.environment_ids([{"role": "tool" if schemas else "user", "content": "."}], None)
     return env, schemas
