@@ -86,7 +86,7 @@ class Server:
         self.rewards = RewardRunner(
             cfg.reward,
             on_failure=lambda name, kind: self.metrics.reward_failures.labels(name, kind).inc(),
-            env=[cfg.env.step] if cfg.env.step else cfg.env.tools,  # the environment's code runs there too
+            env=[spec for _, spec in cfg.env.fields],  # the environment's code runs there too
         )
         self.producer = Producer(
             cfg,

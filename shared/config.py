@@ -207,6 +207,14 @@ class EnvConfig(_Section):
         "None: up to model.max_model_len. An episode that reaches it ends (finish_reason 'length')",
     )
 
+    @property
+    def fields(self) -> list[tuple[str, str]]:
+        """(config field, 'module:function') of each of the environment's functions: env.step, or each of
+        env.tools; none for single_turn."""
+        if self.kind == "multi_turn":
+            return [("env.step", self.step)]
+        return [(f"env.tools[{i}]", spec) for i, spec in enumerate(self.tools)]
+
     @model_validator(mode="after")
     def _check(self) -> EnvConfig:
         if self.kind == "multi_turn" and not self.step:

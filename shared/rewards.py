@@ -169,12 +169,9 @@ def resolve(cfg: RewardConfig) -> list[RewardFunction]:
 def load_env(cfg: EnvConfig) -> dict[str, Callable[..., Any]]:
     """The environment's functions by spec (env.step, or each of env.tools), imported; a step checked to
     take (messages, answer, metadata). A ConfigError names the field at fault."""
-    if cfg.kind == "multi_turn":
-        fields, args = [("env.step", cfg.step)], (([], "", {}), "(messages, answer, metadata)")
-    else:
-        fields, args = [(f"env.tools[{i}]", spec) for i, spec in enumerate(cfg.tools)], None
+    args = (([], "", {}), "(messages, answer, metadata)") if cfg.kind == "multi_turn" else None
     functions = {}
-    for field, spec in fields:
+    for field, spec in cfg.fields:
         try:
             functions[spec] = load_function(spec, args)
         except ValueError as e:
