@@ -32,7 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 # on one, so there the demo keeps cpu.toml's 2 prompts x 12 steps (+28 mean) to stay within ~10 minutes.
 LARGER = [
     "--learner.prompts_per_step=4",
-    "--learner.grad_accum=4",  # 4 x G=8 = 32 completions = micro-batch 8 x 4
     "--server.queue_size=8",
     "--learner.steps=24",
 ]
@@ -86,7 +85,7 @@ def _smooth(values: list[float], window: int = 5) -> list[float]:
     ]
 
 
-def plot(metrics: list[dict], before: float, after: float, steps: int, path: Path) -> None:
+def plot(metrics: list[dict], before: float, after: float, steps: int, path: Path, task: str) -> None:
     """Training reward and held-out accuracy on top; the DESIGN.md §5 diagnostics below."""
     import matplotlib
 
@@ -121,7 +120,7 @@ def plot(metrics: list[dict], before: float, after: float, steps: int, path: Pat
         ax.plot(x, y, "o", alpha=0.35)
         ax.plot(x, _smooth(y), "-", lw=2)
         ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
-    fig.suptitle("tandem: GRPO on SmolLM2-135M-Instruct (CPU, arithmetic word problems)")
+    fig.suptitle(f"tandem: GRPO on SmolLM2-135M-Instruct (CPU, {task})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -208,7 +207,11 @@ def main() -> int:
         server.stop()
 
     metrics = [json.loads(line) for line in (out / "learner" / "metrics.jsonl").read_text().splitlines()]
-    plot(metrics, before["pass@1_greedy"], after["pass@1_greedy"], after["version"], out / "curves.png")
+    names = {"arith": "arithmetic word problems", "gsm8k": "GSM8K"}
+    task = names.get(cfg.data.task, f"your task, {Path(cfg.data.path or '.').name}")
+    if cfg.env.kind != "single_turn":
+        task += f", {cfg.env.kind} episodes"
+    plot(metrics, before["pass@1_greedy"], after["pass@1_greedy"], after["version"], out / "curves.png", task)
     summary = {
         "held_out_accuracy_before": before["pass@1_greedy"],
         "held_out_accuracy_after": after["pass@1_greedy"],

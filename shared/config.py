@@ -392,7 +392,12 @@ class LearnerConfig(_Section):
     steps: int = Field(default=100, ge=1)
     prompts_per_step: int = Field(default=2, ge=1, description="B; the step trains on B x G completions")
     micro_batch_size: int = Field(default=1, ge=1, description="completions per forward/backward")
-    grad_accum: int = Field(default=8, ge=1)
+    grad_accum: int | None = Field(
+        default=None,
+        ge=1,
+        description="micro-batches per optimizer step on each process; None (the default): derived, "
+        "B x G / (micro_batch_size x processes). A value set must equal that",
+    )
     lr: float = Field(default=5e-5, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     max_staleness: int = Field(default=0, ge=0, description="drop groups more than this many versions old")
@@ -494,15 +499,30 @@ class ConfigError(ValueError):
 
 
 def check_batch_size(cfg: TandemConfig, world_size: int) -> int:
-    """train_batch_size (completions per optimizer step) = B x G must equal micro x accumulation x world."""
-    per_step = cfg.learner.prompts_per_step * cfg.sampling.group_size
-    per_engine = cfg.learner.micro_batch_size * cfg.learner.grad_accum * world_size
+    """Completions per optimizer step, B x G, split as micro batch x accumulation x processes: derives
+    learner.grad_accum when unset (and sets it in `cfg`), checks it when set. Returns B x G."""
+    lc = cfg.learner
+    per_step = lc.prompts_per_step * cfg.sampling.group_size
+    given = f"learner.prompts_per_step x sampling.group_size = {lc.prompts_per_step} x "
+    given += f"{cfg.sampling.group_size} = {per_step} completions per step"
+    if lc.grad_accum is None:
+        per_pass = lc.micro_batch_size * world_size
+        if per_step % per_pass:
+            why = (
+                f"do not split over {world_size} processes"
+                if per_step % world_size
+                else f"do not split into micro-batches of learner.micro_batch_size = {lc.micro_batch_size} "
+                f"on each of {world_size} process(es): choose one that divides {per_step // world_size}"
+            )
+            raise ConfigError(f"batch size: {given} {why}")
+        lc.grad_accum = per_step // per_pass
+        return per_step
+    per_engine = lc.micro_batch_size * lc.grad_accum * world_size
     if per_step != per_engine:
         raise ConfigError(
-            f"batch size: learner.prompts_per_step x sampling.group_size = "
-            f"{cfg.learner.prompts_per_step} x {cfg.sampling.group_size} = {per_step} completions per step, "
-            f"but learner.micro_batch_size x learner.grad_accum x world_size = "
-            f"{cfg.learner.micro_batch_size} x {cfg.learner.grad_accum} x {world_size} = {per_engine}"
+            f"batch size: {given}, but learner.micro_batch_size x learner.grad_accum x world_size = "
+            f"{lc.micro_batch_size} x {lc.grad_accum} x {world_size} = {per_engine} "
+            "(leave learner.grad_accum unset to have it derived)"
         )
     return per_step
 

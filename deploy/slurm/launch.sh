@@ -2,8 +2,8 @@
 # Submit the server and the learner as two jobs that find each other through a shared run folder:
 #   TANDEM_API_TOKEN=$(openssl rand -hex 16) deploy/slurm/launch.sh runs/run1 [deploy/configs/gpu-2x-split.toml]
 # More rollout servers (a job array, each generating its shard of the prompts): TANDEM_NUM_SERVERS=4.
-# A learner across nodes: TANDEM_LEARNER_NODES=2 TANDEM_GPUS_PER_NODE=4 (torchrun rendezvous; set
-# learner.grad_accum so that micro x accum x nodes x GPUs = prompts_per_step x group_size).
+# A learner across nodes: TANDEM_LEARNER_NODES=2 TANDEM_GPUS_PER_NODE=4 (torchrun rendezvous; the learner
+# derives its accumulation from prompts_per_step x group_size / (micro_batch_size x nodes x GPUs)).
 set -euo pipefail
 run_dir=$(realpath -m "${1:?usage: launch.sh RUN_DIR [CONFIG]}")
 config=${2:-deploy/configs/gpu-2x-split.toml}

@@ -85,9 +85,54 @@ def test_batch_size_invariant_names_all_three():
     cfg = load_config(None, ["learner.prompts_per_step=2", "sampling.group_size=4", "learner.grad_accum=4"])
     assert check_batch_size(cfg, world_size=2) == 8  # 2 x 4 = 1 x 4 x 2
     with pytest.raises(
-        ConfigError, match=r"micro_batch_size x learner.grad_accum x world_size = 1 x 4 x 1 = 4"
+        ConfigError, match=r"micro_batch_size x learner.grad_accum x world_size = 1 x 4 x 1 = 4 \(leave"
     ):
         check_batch_size(cfg, world_size=1)
+
+
+@pytest.mark.parametrize(
+    "micro, world, accumulation",
+    [(1, 1, 8), (2, 1, 4), (8, 1, 1), (1, 2, 4), (2, 4, 1)],
+)
+def test_the_accumulation_is_derived_from_the_batch_the_micro_batch_and_the_processes(
+    micro, world, accumulation
+):
+    cfg = load_config(
+        None, ["learner.prompts_per_step=2", "sampling.group_size=4", f"learner.micro_batch_size={micro}"]
+    )
+    assert cfg.learner.grad_accum is None  # the default: derived
+    assert check_batch_size(cfg, world_size=world) == 8
+    assert cfg.learner.grad_accum == accumulation  # micro x accumulation x world = B x G
+
+
+@pytest.mark.parametrize(
+    "micro, world, message",
+    [
+        (
+            3,
+            1,
+            "do not split into micro-batches of learner.micro_batch_size = 3 on each of 1 process(es): "
+            "choose one that divides 8",
+        ),
+        (1, 3, "do not split over 3 processes"),
+        (
+            4,
+            4,
+            "do not split into micro-batches of learner.micro_batch_size = 4 on each of 4 process(es): "
+            "choose one that divides 2",
+        ),
+    ],
+)
+def test_a_batch_that_cannot_be_split_is_refused_naming_the_fields(micro, world, message):
+    cfg = load_config(
+        None, ["learner.prompts_per_step=2", "sampling.group_size=4", f"learner.micro_batch_size={micro}"]
+    )
+    with pytest.raises(ConfigError) as e:
+        check_batch_size(cfg, world_size=world)
+    assert str(e.value) == (
+        "batch size: learner.prompts_per_step x sampling.group_size = 2 x 4 = 8 completions per step "
+        + message
+    )
 
 
 def test_split_overrides_both_spellings():
