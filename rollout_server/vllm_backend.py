@@ -38,6 +38,13 @@ SUPPORTED_VLLM = "0.32"
 # after the batch it blocks on its socket within this time instead of a second later.
 IDLE_SPIN_S = 0.05
 
+# oneDNN, which computes vLLM's linear layers on CPU, keeps up to 1,024 compiled kernels by default, one per
+# layer shape and batch size it has seen. A training run meets new batch sizes for hundreds of versions
+# (dynamic sampling, prompts of every length), so the cache kept filling: the worker grew by ~6 MiB a
+# version over 40 and was still growing (docs/benchmarks.md §6b). With 16 it stayed flat, at the same speed:
+# each layer's kernel object keeps its own 32 most recent sizes, so a forward pass rarely asks the cache.
+ONEDNN_CACHE_CAPACITY = 16
+
 
 def shorten_idle_spin(seconds: float) -> bool:
     """Bound the worker's busy-poll after its last message to `seconds`, in this process.
@@ -293,6 +300,8 @@ class VllmBackend:
         if not cuda and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # an explicit setting wins
             cpus = sorted(os.sched_getaffinity(0))[: vc.cpu_threads]
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+        if not cuda:  # read by the engine's processes, which start below
+            os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
         merge = vc.adapter_mode == "merge"
         lora = {"max_lora_rank": cfg.server.max_lora_rank, "max_loras": cfg.server.max_loras}
         args = AsyncEngineArgs(

@@ -1,6 +1,6 @@
 """The rollout server's memory as versions go by: each of its processes' resident memory, and its slope.
 
-    .venv/bin/python scripts/bench_server_memory.py [--versions 60] [--train] [--with-env NAME=VALUE ...]
+    .venv/bin/python scripts/bench_server_memory.py [--versions 60] [--train] [--with-env NAME=VALUE[,...]]
 
 Starts the vLLM server of deploy/configs/cpu.toml in bf16 (where the CPU computes in it; else fp32) with
 the demo's batches (4 prompts x G 8, 32 tokens), and N times, time-sliced as the learner does: sleep,
@@ -8,8 +8,9 @@ publish a new version (three random adapters in turn), wake, pull and ack until 
 arrives. With --train, the real learner trains N steps on it instead (the demo's run: 4 prompts a step,
 dynamic sampling). Samples the resident memory of the app and of each of vLLM's processes every 5 versions
 and prints it, then each process's growth per version over the second half of the run (after warm-up).
-With --with-env, the same run again with those environment variables in the server's processes (e.g.
-MALLOC_ARENA_MAX=1), side by side, and the ratio of the worker's growth (docs/benchmarks.md §6b).
+Each --with-env is one more run with those environment variables in the server's processes (e.g.
+MALLOC_ARENA_MAX=1, or several joined by commas), side by side, and the ratio of its worker's growth to the
+baseline's (docs/benchmarks.md §6b).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def train(name: str, env: dict, steps: int, work: Path) -> list[tuple[int, dict[
     port, token, out = free_port(), secrets.token_hex(8), work / f"train-{name}"
     cli = [
         f"--model.dtype={native_dtype()}",
-        *("--learner.prompts_per_step=4", "--learner.grad_accum=4", "--server.queue_size=8"),  # the demo's
+        *("--learner.prompts_per_step=4", "--server.queue_size=8"),  # the demo's
         f"--learner.steps={steps}",
         f"--server.state_dir={out / 'server'}",
         f"--learner.out_dir={out / 'learner'}",
@@ -133,27 +134,28 @@ def main() -> int:
         "--with-env",
         action="append",
         default=[],
-        metavar="NAME=VALUE",
-        help="run again with this in the server's environment, side by side (repeat for several)",
+        metavar="NAME=VALUE[,...]",
+        help="one more run with these in the server's environment, side by side (repeat for more runs)",
     )
     args = p.parse_args()
     if args.versions < 20:
         p.error("--versions must be >= 20: the slope is taken over the second half")
-    if any("=" not in e for e in args.with_env):
-        p.error("--with-env takes NAME=VALUE")
+    variants = [[kv.strip() for kv in e.split(",") if kv.strip()] for e in args.with_env]
+    if any(not v or any("=" not in kv for kv in v) for v in variants):
+        p.error("--with-env takes NAME=VALUE, or several joined by commas")
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-memory-"))
     model = resolve_model("smollm2-135m")
     adapters = (
         [] if args.train else [random_adapter(model, work / f"a{i}", seed=i, scale=0.01) for i in range(3)]
     )
     runs = {"baseline": {}}
-    if args.with_env:
-        runs[" ".join(args.with_env)] = dict(e.split("=", 1) for e in args.with_env)
+    for v in variants:
+        runs[" ".join(v)] = dict(kv.split("=", 1) for kv in v)
     what = "training steps" if args.train else "versions, time-sliced"
     results = {}
     for i, (name, env) in enumerate(runs.items()):  # tag: its files and progress lines
         print(f"[{name}] {args.versions} {what} ...", flush=True)
-        tag = "baseline" if i == 0 else "with-env"
+        tag = "baseline" if i == 0 else f"with-env-{i}"
         if args.train:
             results[name] = train(tag, env, args.versions, work)
         else:
@@ -162,9 +164,9 @@ def main() -> int:
     print(f"\nresident memory growth per {per}, {per}s {args.versions // 2}..{args.versions} (MiB/{per}):")
     for name, samples in results.items():
         print(f"  [{name}] " + ", ".join(f"{k} {slope(samples, k):+.2f}" for k in samples[-1][1]))
-    if len(results) == 2:
-        (a, sa), (b, sb) = results.items()
-        worker = next(k for k in sa[-1][1] if "Worker" in k)
+    (a, sa), *others = results.items()
+    worker = next(k for k in sa[-1][1] if "Worker" in k)
+    for b, sb in others:
         print(f"vLLM worker's growth, [{b}] / [{a}]: {slope(sb, worker) / slope(sa, worker):.2f}")
     return 0
 

@@ -90,6 +90,30 @@ def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(
     assert engine.rpcs == [("tandem_idle_spin", (IDLE_SPIN_S,)), ("tandem_ignore_stop_signals", ())]
 
 
+@pytest.mark.parametrize("theirs", [None, "256"])
+def test_on_cpu_the_engine_keeps_few_compiled_kernels_unless_told_otherwise(monkeypatch, theirs):
+    """oneDNN's default cache (1,024 kernels) grew the worker with every version of a training run: the
+    engine's processes inherit a small bound, and a value the user set wins."""
+    import os
+
+    from vllm.engine import arg_utils
+    from vllm.v1.engine import async_llm
+
+    from rollout_server.vllm_backend import ONEDNN_CACHE_CAPACITY, VllmBackend
+    from shared.config import load_config
+    from tests.helpers import REPO
+
+    monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
+    monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", lambda a: _Engine())
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", theirs or "")  # restored after the test
+    if theirs is None:
+        monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    asyncio.run(VllmBackend.create(load_config(REPO / "deploy/configs/cpu.toml"), "/models/m"))
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == (theirs or str(ONEDNN_CACHE_CAPACITY))
+    assert ONEDNN_CACHE_CAPACITY <= 64
+
+
 def test_a_worker_outlives_a_stop_signal_meant_for_the_whole_process_group():
     """SIGTERM and SIGINT sent to every process (scancel, Ctrl-C) leave the worker to its engine core: the
     process that made itself a worker survives both; one that did not dies of the first."""
