@@ -69,7 +69,12 @@ class SamplingConfig(_Section):
     group_size: int = Field(
         default=4, ge=2, description="G, completions per prompt (GRPO needs >= 2 for a baseline)"
     )
-    max_new_tokens: int = Field(default=256, ge=1)
+    max_new_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="tokens a completion (an episode: each model turn) may have; a completion cut here has "
+        "finish_reason 'length' (reward.truncated says how it is scored)",
+    )
     temperature: float = Field(
         default=1.0,
         gt=0.0,
@@ -92,9 +97,13 @@ class DataConfig(_Section):
     )
     hub_id: str = Field(default="openai/gsm8k", description="the hub dataset read when data.path is None")
     hub_config: str | None = Field(default=None, description="the hub dataset's config; gsm8k: 'main'")
-    split: str = "train"
+    split: str = Field(default="train", description="the split the server samples training prompts from")
     eval_split: str = Field(default="test", description="the split learner.evaluate scores")
-    seed: int = 0
+    seed: int = Field(
+        default=0,
+        description="the order prompts are served in (a fresh permutation each epoch); 'arith': the problems"
+        " generated",
+    )
     arith_difficulty: int = Field(default=2, ge=1, le=6, description="'arith' task: operands/size knob")
     arith_size: int = Field(default=5000, ge=10, description="'arith' task: problems in the train split")
     prompt_column: str = Field(default="prompt", description="custom: the column holding the prompt text")
@@ -230,10 +239,20 @@ class EnvConfig(_Section):
 
 class VllmConfig(_Section):
     kv_cache_gib: float = Field(default=2.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE")
-    gpu_memory_utilization: float = Field(default=0.35, gt=0, le=1)
+    gpu_memory_utilization: float = Field(
+        default=0.35,
+        gt=0,
+        le=1,
+        description="CUDA only: vLLM's share of the GPU (weights + KV cache); time-sliced on one GPU it "
+        "leaves the rest to the learner",
+    )
     enforce_eager: bool = Field(default=True, description="skip torch.compile/CUDA graphs: fast start")
-    enable_sleep_mode: bool = True
-    max_num_seqs: int = Field(default=64, ge=1)
+    enable_sleep_mode: bool = Field(
+        default=True,
+        description="CUDA only: free vLLM's GPU memory while the learner trains (time-sliced); ignored on "
+        "CPU",
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="sequences vLLM decodes at once at most")
     block_size: int | None = Field(
         default=None,
         ge=1,
@@ -263,9 +282,13 @@ class VllmConfig(_Section):
 
 
 class ServerConfig(_Section):
-    backend: Literal["vllm", "hf"] = "vllm"
+    backend: Literal["vllm", "hf"] = Field(
+        default="vllm",
+        description="'vllm' (the default; merged versions or vLLM's LoRA, server.vllm) or 'hf' (transformers"
+        " + peft: no vLLM needed, slower)",
+    )
     host: str = Field(default="127.0.0.1", description="bind address; loopback unless told otherwise")
-    port: int = Field(default=8000, ge=1, le=65535)
+    port: int = Field(default=8000, ge=1, le=65535, description="the port the server listens on")
     api_token_env: str = Field(
         default=TOKEN_ENV,
         description="environment variable holding the bearer token for mutating endpoints "
@@ -283,8 +306,15 @@ class ServerConfig(_Section):
         default="runs/server", description="cursor, adapter store, and the queue a stopped server saved"
     )
     adapter_root: str | None = Field(default=None, description="folder publish-by-path may read under")
-    max_adapter_mb: float = Field(default=512.0, gt=0)
-    max_lora_rank: int = Field(default=16, ge=1)
+    max_adapter_mb: float = Field(
+        default=512.0, gt=0, description="largest adapter a publish may upload or name (413 above it)"
+    )
+    max_lora_rank: int = Field(
+        default=16,
+        ge=1,
+        description="largest LoRA rank a published adapter may have (vLLM sizes its LoRA slots by it); must "
+        "be >= lora.r",
+    )
     max_generate_sequences: int = Field(
         default=1024, ge=1, description="cap on prompts x n of one /v1/generate request"
     )
@@ -319,7 +349,7 @@ class ServerConfig(_Section):
         description="hf backend: serve each adapter version as a base copy with the adapter merged in "
         "(faster generation, one model's memory per loaded version)",
     )
-    seed: int = 0
+    seed: int = Field(default=0, description="the sampler's seed (vLLM's, or torch's in the hf backend)")
     shard_index: int = Field(default=0, ge=0, description="this server's share of the prompts: those whose "
                              "index in the dataset is shard_index modulo num_shards")  # fmt: skip
     num_shards: int = Field(
@@ -329,8 +359,10 @@ class ServerConfig(_Section):
 
 
 class LoraConfig(_Section):
-    r: int = Field(default=16, ge=1)
-    alpha: float = Field(default=32.0, gt=0)
+    r: int = Field(default=16, ge=1, description="LoRA rank of the adapter")
+    alpha: float = Field(
+        default=32.0, gt=0, description="LoRA scale numerator: the update is (alpha / r) * B @ A"
+    )
     dropout: float = Field(
         default=0.0,
         ge=0,
@@ -338,7 +370,12 @@ class LoraConfig(_Section):
         description="dropout on the LoRA branch in the learner's policy pass; > 0 adds noise to the ratio "
         "against the sampler's log-probs, which had none",
     )
-    target_modules: list[str] = Field(default=["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1)
+    target_modules: list[str] = Field(
+        default=["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="module names (peft's target_modules) the adapter is put on; the vLLM backend merges or "
+        "serves any linear layer of the decoder",
+    )
 
 
 class GRPOConfig(_Section):
@@ -350,13 +387,21 @@ class GRPOConfig(_Section):
     std: Literal["population", "bessel"] = Field(
         default="population", description="population std (correction=0) as in the paper; bessel = TRL"
     )
-    baseline: Literal["mean", "rloo"] = "mean"
+    baseline: Literal["mean", "rloo"] = Field(
+        default="mean",
+        description="what a completion's reward is compared with: the group 'mean' (GRPO), or 'rloo', the "
+        "mean of the others (leave-one-out)",
+    )
     eps: float = Field(default=1e-6, ge=0, description="added to the std before dividing")
     epsilon_low: float = Field(default=0.2, ge=0, lt=1, description="PPO clip: ratio >= 1 - epsilon_low")
     epsilon_high: float = Field(default=0.2, ge=0, description="PPO clip: ratio <= 1 + epsilon_high (DAPO)")
     beta: float = Field(default=0.04, ge=0, description="weight of the KL to the reference (GRPO Eq. 3)")
     kl_estimator: Literal["k3", "k2", "k1"] = Field(default="k3", description="Schulman's k3 is unbiased")
-    aggregation: Literal["seq_mean_token_mean", "token_mean", "constant_norm"] = "seq_mean_token_mean"
+    aggregation: Literal["seq_mean_token_mean", "token_mean", "constant_norm"] = Field(
+        default="seq_mean_token_mean",
+        description="how token terms make the loss (DESIGN.md §4): 'seq_mean_token_mean' (GRPO Eq. 3), "
+        "'token_mean' (DAPO), 'constant_norm' (Dr. GRPO: sum / (sequences x max_new_tokens))",
+    )
     is_cap: float | None = Field(
         default=2.0,
         gt=1.0,
@@ -367,14 +412,29 @@ class GRPOConfig(_Section):
 
 
 class DeepSpeedConfig(_Section):
-    zero_stage: int = Field(default=2, ge=0, le=3)
-    offload_optimizer: bool = True
-    gradient_clipping: float = Field(default=1.0, ge=0)
+    zero_stage: int = Field(
+        default=2,
+        ge=0,
+        le=3,
+        description="DeepSpeed ZeRO stage (2: optimizer states and gradients sharded over the learner's "
+        "processes)",
+    )
+    offload_optimizer: bool = Field(
+        default=True,
+        description="keep the optimizer states in host RAM (ZeRO-Offload); with LoRA they are small",
+    )
+    gradient_clipping: float = Field(
+        default=1.0, ge=0, description="clip the gradients' global norm to this (0: no clipping)"
+    )
     overrides: dict[str, Any] = Field(default={}, description="merged last into the DeepSpeed JSON config")
 
 
 class LearnerConfig(_Section):
-    server_url: str = "http://127.0.0.1:8000"
+    server_url: str = Field(
+        default="http://127.0.0.1:8000",
+        description="the rollout server the learner pulls from and publishes to (learner.server_urls: "
+        "several)",
+    )
     server_urls: list[str] | None = Field(
         default=None,
         min_length=1,
@@ -388,8 +448,16 @@ class LearnerConfig(_Section):
     api_token_env: str = Field(
         default=TOKEN_ENV, description="environment variable holding the server's token"
     )
-    placement: Literal["timeslice", "split"] = "timeslice"
-    steps: int = Field(default=100, ge=1)
+    placement: Literal["timeslice", "split"] = Field(
+        default="timeslice",
+        description="'timeslice': one device, the server sleeps while the learner trains (on-policy); "
+        "'split': both run at once on their own devices, groups up to max_staleness versions old",
+    )
+    steps: int = Field(
+        default=100,
+        ge=1,
+        description="optimizer steps (policy versions) to train; a resumed run continues up to this",
+    )
     prompts_per_step: int = Field(default=2, ge=1, description="B; the step trains on B x G completions")
     micro_batch_size: int = Field(default=1, ge=1, description="completions per forward/backward")
     grad_accum: int | None = Field(
@@ -398,14 +466,19 @@ class LearnerConfig(_Section):
         description="micro-batches per optimizer step on each process; None (the default): derived, "
         "B x G / (micro_batch_size x processes). A value set must equal that",
     )
-    lr: float = Field(default=5e-5, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
+    lr: float = Field(default=5e-5, gt=0, description="AdamW learning rate of the LoRA weights (constant)")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
     max_staleness: int = Field(default=0, ge=0, description="drop groups more than this many versions old")
     dynamic_sampling: bool = Field(default=True, description="DAPO: drop zero-std groups, pull more")
     max_pull_rounds: int = Field(default=8, ge=1, description="bound on extra pulls to fill a batch")
-    pull_wait_s: float = Field(default=60.0, gt=0)
+    pull_wait_s: float = Field(
+        default=60.0, gt=0, description="how long one pull waits on the server for groups before asking again"
+    )
     logprob_chunk_size: int = Field(default=256, ge=1, description="tokens per log-softmax chunk")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="recompute activations in the backward pass: less memory, ~1/3 more compute",
+    )
     shared_prompt: bool = Field(
         default=True,
         description="encode each prompt once for all of its group's completions in a micro-batch (one packed "
@@ -417,7 +490,10 @@ class LearnerConfig(_Section):
         description="timeslice placement on a GPU: the frozen base weights wait in host RAM while the server "
         "generates, so vLLM's share of the GPU is free for it (no effect on CPU or in split placement)",
     )
-    out_dir: str = "runs/learner"
+    out_dir: str = Field(
+        default="runs/learner",
+        description="checkpoints, metrics.jsonl, groups.jsonl, TensorBoard and config.json of the run",
+    )
     checkpoint_every: int = Field(
         default=10,
         ge=1,
@@ -449,7 +525,7 @@ class LearnerConfig(_Section):
         description="train on the groups recorded in a previous run's groups.jsonl instead of a server "
         "(offline: debugging, and checking that N processes reproduce 1)",
     )
-    seed: int = 0
+    seed: int = Field(default=0, description="the LoRA initialisation's seed")
 
 
 class TandemConfig(_Section):

@@ -42,6 +42,8 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
         "bench_trl.py",
         "bench_publish.py",
         "bench_server_memory.py",
+        "bench_agent.py",
+        "config_reference.py",
         "bench_learner.py",
         "demo.py",
         "demo_matrix.py",
@@ -122,3 +124,37 @@ def test_the_demo_runs_larger_only_where_the_cpu_computes_in_bf16():
     larger = demo.demo_choices("bfloat16")
     assert larger[0] == "--model.dtype=auto"
     assert {"--learner.prompts_per_step=4", "--learner.steps=24", "--server.queue_size=8"} <= set(larger)
+
+
+def test_the_calculator_example_is_a_task_the_server_takes_and_scores_only_the_product(tmp_path):
+    """examples/calculator.py as scripts/bench_agent.py runs it: its splits share no problem, the reward is
+    1 only when the last turn ends with the product, and the server's --check-config accepts the task
+    (imports the tool and the reward, loads the data)."""
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        import calculator
+    finally:
+        sys.path.remove(str(REPO / "examples"))
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from bench_agent import TASK
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    import json
+
+    folder = calculator.write(tmp_path / "calc", train=300, test=50)
+    train, test = (
+        [json.loads(x) for x in (folder / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "test")
+    )
+    assert len(train) == 300 and len(test) == 50
+    assert not {r["id"] for r in train} & {r["id"] for r in test}
+    a, b = map(int, test[0]["id"].split("x"))
+    assert test[0]["answer"] == str(a * b) and calculator.multiply(a, b) == a * b
+    assert test[0]["messages"][-1] == {"role": "user", "content": f"What is {a} * {b}?"}
+    assert calculator.solved(f"The answer is {a * b}.", str(a * b), "", {}) == 1.0
+    assert calculator.solved(f"{a * b} is not it, {a * b + 1}", str(a * b), "", {}) == 0.0
+    assert calculator.solved("I do not know.", str(a * b), "", {}) == 0.0
+    out = _run("-m", "rollout_server", *TASK, f"--data.path={folder}", "--check-config", timeout=120)
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)
+    assert cfg["env"]["tools"] == ["examples/calculator.py:multiply"] and cfg["env"]["kind"] == "tools"

@@ -222,3 +222,25 @@ def test_check_config_checks_the_task_in_one_line_before_any_model(tmp_path, ove
     assert len(lines) == 1 and lines[0].startswith(message), out.stderr
     ok = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert ok.returncode == 0 and json.loads(ok.stdout)["data"]["prompt_column"] == "problem", ok.stderr
+
+
+def test_every_field_is_described_and_the_reference_page_is_current():
+    """docs/configuration.md is generated from the fields: a field added, removed or re-described without
+    running scripts/config_reference.py fails here."""
+    from pydantic import BaseModel
+
+    undescribed = []
+
+    def walk(model, prefix):
+        for name, f in model.model_fields.items():
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+                walk(f.annotation, f"{prefix}{name}.")
+            elif not (f.description or "").strip():
+                undescribed.append(prefix + name)
+
+    walk(TandemConfig, "")
+    assert undescribed == []
+    out = subprocess.run(
+        [sys.executable, "scripts/config_reference.py", "--check"], cwd=REPO, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
