@@ -1,0 +1,114 @@
+"""Does GRPO teach an agent to use its tool? The calculator task (examples/calculator.py) over several seeds:
+held-out success before and after a short run, the training reward per step, and a plot.
+
+    .venv/bin/python scripts/bench_agent.py [--seeds 0,1,2] [--steps 16] [--eval-problems 100]
+
+Each seed is `scripts/demo.py` (vLLM server with merged versions, DeepSpeed learner, deploy/configs/cpu.toml,
+bf16 where the CPU computes in it) on the calculator task as tool-use episodes: the model may call
+`multiply`, its result comes back as a tool message, and an episode is a success when its last turn ends
+with the product. SmolLM2-135M cannot multiply 3-digit by 2-digit numbers in its head, so success is what
+the tool's answers make of it. Runs one seed after another (each has the machine to itself); results in
+runs/bench-agent/, the plot where --plot says (docs/benchmarks.md §10).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+import calculator  # noqa: E402  (examples/ is not a package)
+
+TASK = [
+    "--data.task=custom",
+    "--data.messages_column=messages",
+    "--data.answer_column=answer",
+    "--env.kind=tools",
+    '--env.tools=["examples/calculator.py:multiply"]',
+    "--env.max_turns=3",
+    '--reward.functions=["examples/calculator.py:solved"]',
+    "--sampling.max_new_tokens=48",  # a call is ~30 tokens
+]
+
+
+def plot(runs: dict[int, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for seed, r in runs.items():
+        steps = [m["step"] for m in r["metrics"]]
+        left.plot(steps, [m["reward/mean"] for m in r["metrics"]], "-o", ms=3, label=f"seed {seed}")
+        right.plot([0, steps[-1]], [100 * r["before"], 100 * r["after"]], "-o", label=f"seed {seed}")
+    left.set(xlabel="optimizer step", ylabel="mean reward (episodes solved)", title="Training", ylim=(0, 1))
+    right.set(
+        xlabel="optimizer step",
+        ylabel="held-out success, greedy (%)",
+        title="Held-out problems (never trained on)",
+        ylim=(0, 100),
+    )
+    for ax in (left, right):
+        ax.legend(loc="lower right")
+    fig.suptitle("tandem: GRPO teaches SmolLM2-135M to call a calculator tool (CPU, 2 cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--eval-problems", type=int, default=100)
+    p.add_argument("--out", default=str(REPO / "runs" / "bench-agent"))
+    p.add_argument("--plot", default=None, help="PNG to write (default: <out>/agent.png)")
+    p.add_argument("overrides", nargs="*", metavar="--section.key=value", help="more config overrides")
+    args, extra = p.parse_known_args()
+    out = Path(args.out).resolve()
+    data = calculator.write(out / "data")
+    runs = {}
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        run = out / f"seed{seed}"
+        cmd = [sys.executable, "scripts/demo.py", "--seed", str(seed), "--out", str(run)]
+        cmd += ["--steps", str(args.steps), "--eval-problems", str(args.eval_problems)]
+        cmd += [*TASK, f"--data.path={data}", *args.overrides, *extra]
+        print(f"== seed {seed} -> {run}", flush=True)
+        if subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL).returncode != 0:
+            print(f"   failed: see {run}", flush=True)
+            continue
+        summary = json.loads((run / "summary.json").read_text())
+        metrics = [json.loads(x) for x in (run / "learner" / "metrics.jsonl").read_text().splitlines()]
+        runs[seed] = {
+            "before": summary["held_out_accuracy_before"],
+            "after": summary["held_out_accuracy_after"],
+            "minutes": summary["wall_clock_s"] / 60,
+            "metrics": metrics,
+        }
+        r = runs[seed]
+        print(f"   {100 * r['before']:.0f}% -> {100 * r['after']:.0f}% in {r['minutes']:.1f} min", flush=True)
+    if not runs:
+        return 1
+    print("\nseed  before  after   gain  wall clock  training reward: first 3 steps -> last 3")
+    for seed, r in runs.items():
+        rewards = [m["reward/mean"] for m in r["metrics"]]
+        first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+        print(
+            f"{seed:>4}  {100 * r['before']:5.1f}%  {100 * r['after']:5.1f}%  "
+            f"{100 * (r['after'] - r['before']):+5.1f}  {r['minutes']:6.1f} min  {first:.2f} -> {last:.2f}"
+        )
+    gains = [100 * (r["after"] - r["before"]) for r in runs.values()]
+    print(f"mean gain: {sum(gains) / len(gains):+.1f} points over {len(runs)} seed(s)")
+    path = Path(args.plot) if args.plot else out / "agent.png"
+    plot(runs, path)
+    print(f"plot: {path}")
+    return 0 if len(runs) == len(args.seeds.split(",")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
