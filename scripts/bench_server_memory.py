@@ -10,7 +10,8 @@ dynamic sampling). Samples the resident memory of the app and of each of vLLM's 
 and prints it, then each process's growth per version over the second half of the run (after warm-up).
 Each --with-env is one more run with those environment variables in the server's processes (e.g.
 MALLOC_ARENA_MAX=1, or several joined by commas), side by side, and the ratio of its worker's growth to the
-baseline's (docs/benchmarks.md §6b).
+baseline's (docs/benchmarks.md §6b). With --max-growth, exits 1 when a process of the first run grows faster
+than that: a check a soak can run.
 """
 
 from __future__ import annotations
@@ -137,6 +138,13 @@ def main() -> int:
         metavar="NAME=VALUE[,...]",
         help="one more run with these in the server's environment, side by side (repeat for more runs)",
     )
+    p.add_argument(
+        "--max-growth",
+        type=float,
+        default=None,
+        metavar="MIB",
+        help="exit 1 when a process of the first run grows faster than this (MiB per version/step)",
+    )
     args = p.parse_args()
     if args.versions < 20:
         p.error("--versions must be >= 20: the slope is taken over the second half")
@@ -168,6 +176,15 @@ def main() -> int:
     worker = next(k for k in sa[-1][1] if "Worker" in k)
     for b, sb in others:
         print(f"vLLM worker's growth, [{b}] / [{a}]: {slope(sb, worker) / slope(sa, worker):.2f}")
+    if args.max_growth is not None:
+        over = {k: slope(sa, k) for k in sa[-1][1] if slope(sa, k) > args.max_growth}
+        if over:
+            print(
+                f"FAIL: growing more than {args.max_growth} MiB/{per}: "
+                + ", ".join(f"{k} {v:+.2f}" for k, v in over.items())
+            )
+            return 1
+        print(f"ok: no process grows more than {args.max_growth} MiB/{per}")
     return 0
 
 

@@ -107,16 +107,17 @@ def plot(metrics: list[dict], before: float, after: float, steps: int, path: Pat
     for i, v in enumerate([before, after]):
         ax.text(i, 100 * v + 1, f"{100 * v:.1f}%", ha="center")
     ax.set(ylabel="held-out accuracy, greedy pass@1 (%)", title="Held-out accuracy", ylim=(0, 100))
+    kl = ("kl/ref", "k3 estimate", "KL to the reference (base model)")
+    if all(m.get("kl/ref") is None for m in metrics):  # beta = 0: no reference pass, so the entropy instead
+        kl = ("policy/entropy", "nats per token", "Policy entropy (no KL term: beta = 0)")
     panels = [
         (axes[0][2], "groups/degenerate", "fraction of groups", "Degenerate groups (all rewards equal)"),
         (axes[1][0], "completion/length", "tokens", "Completion length"),
-        (axes[1][1], "kl/ref", "k3 estimate", "KL to the reference (base model)"),
+        (axes[1][1], *kl),
         (axes[1][2], "ratio/clipfrac", "fraction of tokens", "PPO clip fraction"),
     ]
     for ax, key, ylabel, title in panels:
         y = [float("nan") if m.get(key) is None else m[key] for m in metrics]
-        if all(v != v for v in y):  # all NaN: e.g. KL with beta = 0 (no reference pass)
-            title += " - not computed (beta = 0)"
         ax.plot(x, y, "o", alpha=0.35)
         ax.plot(x, _smooth(y), "-", lw=2)
         ax.set(xlabel="optimizer step", ylabel=ylabel, title=title)
