@@ -6,7 +6,10 @@ completion, right-padded, with `mask` 1 on real completion tokens. Per-sequence 
 References: GRPO = DeepSeekMath (Shao et al. 2024) Eq. 3-5; Dr. GRPO (Liu et al. 2025) for
 `scale="none"` and `constant_norm`; DAPO (Yu et al. 2025) for clip-higher and `token_mean`; k1/k2/k3
 are Schulman's KL estimators ("Approximating KL divergence", 2020); dual-clip PPO (Ye et al. 2020) is
-how `is_cap` bounds the ratio against the sampler's logprobs for negative advantages.
+how `dual_clip` bounds the ratio against the sampler's logprobs for negative advantages. Off-policy
+corrections: truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly
+brings you off-policy RL training"), GSPO's sequence-level ratio (Zheng et al. 2025) and CISPO's clipped,
+stop-gradient IS weight (MiniMax-M1, 2025).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import Tensor
 from shared.protocol import DEGENERATE_TOL
 
 Aggregation = Literal["seq_mean_token_mean", "token_mean", "constant_norm"]
+Level = Literal["token", "sequence"]
 
 # k3 = e^u - u - 1 overflows fp32 past u ~ 88; |u| > 20 means the two policies disagree by a factor of
 # e^20 on a token, where the estimate is meaningless anyway. Clamping keeps one bad token from
@@ -100,8 +104,10 @@ def clipped_surrogate(
     Returns (surrogate [N, T], clipped bool [N, T]); `clipped` marks tokens where the clipped branch is
     the smaller one, i.e. where the surrogate's gradient is zero.
     """
-    ratio = torch.exp(logprobs - old_logprobs)  # [N, T]
-    adv = advantages[:, None]  # [N, 1]
+    return _ppo_clip(torch.exp(logprobs - old_logprobs), advantages[:, None], epsilon_low, epsilon_high)
+
+
+def _ppo_clip(ratio: Tensor, adv: Tensor, epsilon_low: float, epsilon_high: float) -> tuple[Tensor, Tensor]:
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high) * adv
     return torch.minimum(unclipped, clipped), clipped < unclipped
@@ -139,6 +145,25 @@ def aggregate(
     raise ValueError(f"unknown aggregation {mode!r}")
 
 
+def sequence_ratio(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's length-normalised sequence ratio, exp(mean of a sequence's token log-ratios), spread over
+    its tokens: [N, T] -> [N, T] (with the gradient of every token's log-ratio / |y|)."""
+    mask_f = mask.to(log_ratio.dtype)
+    mean = (log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)  # [N]
+    return torch.exp(mean)[:, None].expand_as(log_ratio)
+
+
+def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, cap: float, level: Level):
+    """Truncated importance sampling: min(π_old / π_sampler, cap) per token ('token') or for the whole
+    sequence ('sequence': the product of its tokens' ratios), no gradient. Returns (weights [N, T],
+    truncated bool [N, T])."""
+    log_w = (old_logprobs - sampler_logprobs).detach()
+    if level == "sequence":
+        log_w = (log_w * mask.to(log_w.dtype)).sum(-1, keepdim=True).expand_as(log_w)
+    w = torch.exp(log_w.clamp(max=_KL_LOG_RATIO_BOUND))
+    return w.clamp(max=cap), w > cap
+
+
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -152,27 +177,55 @@ def grpo_loss(
     kl_estimator: Literal["k3", "k2", "k1"] = "k3",
     aggregation: Aggregation = "seq_mean_token_mean",
     max_tokens: int | None = None,
-    is_cap: float | None = None,
+    dual_clip: float | None = None,
+    sampler_logprobs: Tensor | None = None,
+    tis_cap: float | None = None,
+    tis_level: Level = "token",
+    ratio_level: Level = "token",
+    loss_type: Literal["ppo_clip", "cispo"] = "ppo_clip",
     total_sequences: int | None = None,
     total_tokens: int | float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """loss = -aggregate(surrogate - β·KL). Per-token tensors [N, T], advantages [N].
+    """loss = -aggregate(w · surrogate - β·KL). Per-token tensors [N, T], advantages [N].
 
-    `old_logprobs` may be the sampler's (one optimizer step per batch, DESIGN.md §4). Then vLLM and the
-    trainer differ in kernels and ρ can be large where they disagree; `is_cap` bounds the surrogate at
-    is_cap·A for negative advantages (dual-clip), so one such token cannot dominate the step (the
-    clip at 1+ε_high already bounds positive ones). `ref_logprobs` may be None when β = 0.
-    Returns (loss, metrics); metrics are token means over `mask` (floats, detached).
+    `old_logprobs` is π_old, the policy the ratio ρ = π/π_old is taken against: the sampler's
+    (one optimizer step per batch, DESIGN.md §4), or the learner's own (`grpo.old_logprobs = "recompute"`).
+    With the sampler's, vLLM and the trainer differ in kernels and ρ can be large where they disagree;
+    `dual_clip` bounds the surrogate at dual_clip·A for negative advantages, so one such token cannot
+    dominate the step (the clip at 1+ε_high already bounds positive ones).
+
+    `sampler_logprobs` (the behaviour policy) with `tis_cap`: each token's term is weighted by
+    w = min(π_old / π_sampler, tis_cap), no gradient (TIS; with π_old the sampler's, w = 1). When π_old is
+    a proximal policy of the learner's, this is AReaL's decoupled PPO: ρ = π/π_prox clipped, times the
+    capped π_prox/π_behaviour. `ratio_level = "sequence"`: ρ is GSPO's sequence ratio, clipped per
+    sequence. `loss_type = "cispo"`: the term is sg(clip(ρ, 1-ε_low, 1+ε_high))·A·log π (the weight is
+    clipped, never the gradient; `dual_clip` does not apply). `ref_logprobs` may be None when β = 0.
+    Returns (loss, metrics); metrics are token means over `mask` (floats, detached), except "*_max".
     """
     mask_f = mask.to(logprobs.dtype)
-    surrogate, clipped = clipped_surrogate(
-        logprobs, old_logprobs, advantages, epsilon_low=epsilon_low, epsilon_high=epsilon_high
-    )
-    capped = torch.zeros_like(clipped)
-    if is_cap is not None:
-        floor = is_cap * advantages[:, None]  # [N, 1]; only binds where A < 0
-        capped = (advantages[:, None] < 0) & (surrogate < floor)
-        surrogate = torch.where(capped, floor.expand_as(surrogate), surrogate)
+    adv = advantages[:, None]  # [N, 1]
+    log_ratio = logprobs - old_logprobs
+    ratio = sequence_ratio(log_ratio, mask) if ratio_level == "sequence" else torch.exp(log_ratio)
+    capped = torch.zeros_like(mask, dtype=torch.bool)
+    if loss_type == "cispo":
+        bounded = ratio.detach().clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
+        surrogate = bounded * adv * logprobs
+        clipped = bounded != ratio.detach()
+    elif loss_type == "ppo_clip":
+        surrogate, clipped = _ppo_clip(ratio, adv, epsilon_low, epsilon_high)
+        if dual_clip is not None:
+            floor = dual_clip * adv  # [N, 1]; only binds where A < 0
+            capped = (adv < 0) & (surrogate < floor)
+            surrogate = torch.where(capped, floor.expand_as(surrogate), surrogate)
+    else:
+        raise ValueError(f"unknown loss type {loss_type!r}")
+    truncated = torch.zeros_like(capped)
+    weights = None
+    if tis_cap is not None:
+        if sampler_logprobs is None:
+            raise ValueError("tis_cap needs sampler_logprobs")
+        weights, truncated = tis_weights(old_logprobs, sampler_logprobs, mask, tis_cap, tis_level)
+        surrogate = weights * surrogate
     objective = surrogate
     kl = None
     if ref_logprobs is not None:
@@ -188,15 +241,21 @@ def grpo_loss(
     with torch.no_grad():
         n = mask_f.sum().clamp(min=1.0)
         tmean = lambda x: float((x.to(mask_f.dtype) * mask_f).sum() / n)
-        ratio = torch.exp(logprobs - old_logprobs)
+        behaviour = sampler_logprobs if sampler_logprobs is not None else old_logprobs
         metrics = {
             "ratio/mean": tmean(ratio),
             "ratio/clipfrac": tmean(clipped),
             "ratio/capfrac": tmean(capped),
-            "sampler/logp_diff": tmean((logprobs - old_logprobs).abs()),
-            "sampler/kl": tmean(kl_penalty(old_logprobs, logprobs, "k3")),
+            "sampler/logp_diff": tmean((logprobs - behaviour).abs()),
+            "sampler/kl": tmean(kl_penalty(behaviour, logprobs, "k3")),
             "tokens": float(mask_f.sum()),
         }
+        if weights is not None:
+            metrics["is/weight_mean"] = tmean(weights)
+            metrics["is/weight_max"] = float((weights * mask_f).max()) if mask_f.any() else 0.0
+            metrics["is/truncated"] = tmean(truncated)
+        if sampler_logprobs is not None and sampler_logprobs is not old_logprobs:
+            metrics["old/logp_diff"] = tmean((old_logprobs - sampler_logprobs).abs())
         if kl is not None:
             metrics["kl/ref"] = tmean(kl)
     return loss, metrics

@@ -44,11 +44,14 @@ class MetricsSink:
             self._tb.flush()
         m = metrics
         kl = "-" if m["kl/ref"] is None else f"{m['kl/ref']:.4f}"  # None: beta = 0, no reference pass
+        tis = ""  # truncated importance sampling, where it is on
+        if "is/weight_mean" in m:
+            tis = f"| IS w {m['is/weight_mean']:.3f} trunc {m['is/truncated']:.3f} "
         print(
             f"step {step:>4}/{self.total} v{int(m['policy/version'])} | reward {m['reward/mean']:.3f} "
             f"| degenerate {m['groups/degenerate']:.2f} | kl {kl} "
             f"| clip {m['ratio/clipfrac']:.3f} "
-            f"| len {m['completion/length']:.0f} | |Δlogp| {m['sampler/logp_diff']:.3f} "
+            f"| len {m['completion/length']:.0f} | |Δlogp| {m['sampler/logp_diff']:.3f} {tis}"
             f"| {m['perf/step_s']:.1f} s/step (pull {m['perf/pull_s']:.1f}, train {m['perf/train_s']:.1f})",
             flush=True,
         )

@@ -141,9 +141,12 @@ def micro_loss(
     if g.beta > 0:
         with reference_policy(engine) as ref_model:
             ref_logprobs, _ = completion_logprobs(ref_model, b, dtype, temperature, lc.logprob_chunk_size)
+    # "recompute": π_old is the policy at this step's weights, which every micro-batch of the step sees
+    # (the optimizer steps once, after the last), so its log-probs are these, detached: no extra forward.
+    old = logprobs.detach() if g.old_logprobs == "recompute" else b.sampler_logprobs
     loss, m = grpo_loss(
         logprobs,
-        b.sampler_logprobs,
+        old,
         ref_logprobs,
         b.advantages,
         b.mask,
@@ -153,7 +156,12 @@ def micro_loss(
         kl_estimator=g.kl_estimator,
         aggregation=g.aggregation,
         max_tokens=cfg.sampling.max_new_tokens,
-        is_cap=g.is_cap,
+        dual_clip=g.dual_clip if g.loss == "ppo_clip" else None,
+        sampler_logprobs=b.sampler_logprobs,
+        tis_cap=g.tis_cap,
+        tis_level=g.tis_level,
+        ratio_level=g.ratio_level,
+        loss_type=g.loss,
         total_sequences=total_sequences,
         total_tokens=total_tokens,
     )
@@ -211,20 +219,27 @@ def train_step(
         n = m.pop("tokens")
         m["loss"] = loss.item()
         for k, v in m.items():
-            sums[k] = sums.get(k, 0.0) + (v if k == "loss" else v * n)
+            sums[k] = _combine(k, sums.get(k), v if k == "loss" or k.endswith("_max") else v * n)
         sums["tokens"] = sums.get("tokens", 0.0) + n
     merged: dict[str, float] = {}
     for part in gather_objects(sums):
         for k, v in part.items():
-            merged[k] = merged.get(k, 0.0) + v
+            merged[k] = _combine(k, merged.get(k), v)
     tokens = max(merged.pop("tokens"), 1.0)
-    metrics = {k: (v if k == "loss" else v / tokens) for k, v in merged.items()}
+    metrics = {k: (v if k == "loss" or k.endswith("_max") else v / tokens) for k, v in merged.items()}
     metrics.setdefault("kl/ref", None)  # beta = 0: the reference pass is skipped, so no KL to report
     live = advantages[~torch.tensor([is_degenerate(gr) for gr in groups])]
     metrics["advantage/mean"] = float(live.mean()) if live.numel() else 0.0
     metrics["advantage/std"] = float(live.std(correction=0)) if live.numel() else 0.0
     metrics["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)  # before clipping, all ranks
     return metrics
+
+
+def _combine(key: str, total: float | None, value: float) -> float:
+    """Metrics summed over micro-batches and ranks (token-weighted, or the loss), or maxed ("*_max")."""
+    if total is None:
+        return value
+    return max(total, value) if key.endswith("_max") else total + value
 
 
 def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:

@@ -402,13 +402,60 @@ class GRPOConfig(_Section):
         description="how token terms make the loss (DESIGN.md §4): 'seq_mean_token_mean' (GRPO Eq. 3), "
         "'token_mean' (DAPO), 'constant_norm' (Dr. GRPO: sum / (sequences x max_new_tokens))",
     )
-    is_cap: float | None = Field(
+    dual_clip: float | None = Field(
         default=2.0,
         gt=1.0,
-        description="dual-clip floor (Ye et al. 2020): for a negative advantage the surrogate is kept >= "
-        "is_cap·A, so a token whose ratio π/π_sampler is large (learner and sampler kernels disagree) cannot "
-        "dominate a step; None = off. Not truncated importance sampling, which would reweight every token",
+        description="dual-clip floor (Ye et al. 2020; was grpo.is_cap): for a negative advantage the "
+        "surrogate is kept >= dual_clip·A, so a token whose ratio π/π_old is large (learner and sampler "
+        "kernels disagree) cannot dominate a step; None = off. Applies to loss = 'ppo_clip'",
     )
+    old_logprobs: Literal["sampler", "recompute"] = Field(
+        default="sampler",
+        description="π_old of the ratio. 'sampler': the sampler's log-probs. 'recompute': the learner's own "
+        "at the step's weights, exact at no extra cost (every micro-batch of a step runs before its one "
+        "optimizer step, so π_old is the policy's log-probs detached); the sampler's stay the behaviour "
+        "policy that grpo.tis_cap corrects for (with both: AReaL's decoupled PPO)",
+    )
+    tis_cap: float | None = Field(
+        default=None,
+        gt=0,
+        description="truncated importance sampling: each token's term weighted by min(π_old / π_sampler, "
+        "tis_cap), no gradient, correcting for stale samples and sampler/learner kernel differences; needs "
+        "old_logprobs = 'recompute'. None = off",
+    )
+    tis_level: Literal["token", "sequence"] = Field(
+        default="token",
+        description="'token': a weight per token; 'sequence': one per sequence, the product of its tokens' "
+        "ratios, truncated at tis_cap",
+    )
+    ratio_level: Literal["token", "sequence"] = Field(
+        default="token",
+        description="'sequence': GSPO's ratio, exp(mean log π/π_old over the sequence), clipped per "
+        "sequence; its clip range is then GSPO's, epsilon_low = 3e-4 and epsilon_high = 4e-4, unless set",
+    )
+    loss: Literal["ppo_clip", "cispo"] = Field(
+        default="ppo_clip",
+        description="'ppo_clip': PPO's clipped surrogate; 'cispo' (MiniMax-M1): sg(clip(ρ, 1-epsilon_low, "
+        "1+epsilon_high))·A·log π, the weight clipped, the gradient never zeroed (dual_clip does not apply)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_clip_range(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("ratio_level") == "sequence":
+            data = {"epsilon_low": 3e-4, "epsilon_high": 4e-4, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOConfig:
+        if self.tis_cap is not None and self.old_logprobs == "sampler":
+            raise ValueError(
+                "grpo.tis_cap needs grpo.old_logprobs = 'recompute' (with the sampler's log-probs as π_old "
+                "the weight π_old / π_sampler is always 1)"
+            )
+        if self.loss == "cispo" and "dual_clip" in self.model_fields_set and self.dual_clip is not None:
+            raise ValueError("grpo.dual_clip does not apply to grpo.loss = 'cispo' (unset one of them)")
+        return self
 
 
 class DeepSpeedConfig(_Section):
@@ -570,6 +617,10 @@ class TandemConfig(_Section):
         return json.dumps(self.model_dump(), indent=2, sort_keys=True)
 
 
+# Fields that were renamed: a config that still uses the old name fails with one line naming the new one.
+RENAMED = {"grpo.is_cap": "grpo.dual_clip"}
+
+
 class ConfigError(ValueError):
     """A config problem, with a one-line message naming the field."""
 
@@ -651,7 +702,7 @@ def _format_error(err: ValidationError) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "config"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            msg = f"renamed: use {RENAMED[loc]}" if loc in RENAMED else "unknown key"
         elif "input" in e and not isinstance(e["input"], dict | list):
             msg = f"{msg} (got {e['input']!r})"
         parts.append(msg if msg.startswith(f"{loc}.") else f"{loc}: {msg}")  # the message names the field

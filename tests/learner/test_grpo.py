@@ -141,12 +141,12 @@ def test_clip_fraction_reported_by_loss():
     assert metrics["ratio/mean"] == pytest.approx(1.0)
 
 
-def test_is_cap_bounds_negative_advantage_tokens():
-    # ρ = 3, A = -1: PPO alone gives min(-3, -1.2) = -3; with is_cap = 2 the surrogate is 2 * -1 = -2
+def test_dual_clip_bounds_negative_advantage_tokens():
+    # ρ = 3, A = -1: PPO alone gives min(-3, -1.2) = -3; with dual_clip = 2 the surrogate is 2 * -1 = -2
     # and its gradient is zero. ρ = 3, A = +1 is already clipped at 1.2 and untouched by the cap.
     logp = torch.log(torch.tensor([[3.0], [3.0]])).requires_grad_()
     adv = torch.tensor([-1.0, 1.0])
-    loss, metrics = grpo_loss(logp, torch.zeros(2, 1), None, adv, torch.ones(2, 1), beta=0.0, is_cap=2.0)
+    loss, metrics = grpo_loss(logp, torch.zeros(2, 1), None, adv, torch.ones(2, 1), beta=0.0, dual_clip=2.0)
     # loss = -mean(-2, 1.2) = 0.4
     assert loss.item() == pytest.approx(0.4)
     loss.backward()
@@ -262,7 +262,7 @@ def test_shards_sum_to_the_whole_batch(aggregation):
     # Two data-parallel shards or two accumulation micro-batches: each normalised by the *global*
     # counts, their losses and gradients add up to the whole batch's (DESIGN.md §4, last point).
     logp, old, ref, adv, mask = _random_batch(0)
-    kw = dict(beta=0.04, aggregation=aggregation, max_tokens=6, is_cap=2.0)
+    kw = dict(beta=0.04, aggregation=aggregation, max_tokens=6, dual_clip=2.0)
     whole_in = logp.clone().requires_grad_()
     whole, _ = grpo_loss(whole_in, old, ref, adv, mask, **kw)
     whole.backward()
@@ -276,6 +276,118 @@ def test_shards_sum_to_the_whole_batch(aggregation):
     sum(parts).backward()
     assert_close(sum(parts), whole)
     assert_close(shard_in.grad, whole_in.grad)
+
+
+# ---------------------------------------------------------------- off-policy corrections
+
+
+def _loss(logp, old, adv, mask=None, **kw):
+    mask = torch.ones_like(logp) if mask is None else mask
+    return grpo_loss(logp, old, None, adv, mask, beta=0.0, **kw)
+
+
+def test_tis_weights_each_token_by_the_truncated_old_over_sampler_ratio():
+    # Recomputed π_old = π_θ detached: ρ = 1 in value. Token 1: π_old 0.5, π_sampler 0.25 -> w = 2, cut
+    # to the cap 1.5; token 2: 0.2 / 0.4 = 0.5, kept. A = +1. Objective (1.5·1 + 0.5·1) / 2 tokens = 1.0,
+    # loss -1.0; d loss / d log π_t = -w_t·ρ_t·A / 2 = (-0.75, -0.25).
+    logp = torch.log(torch.tensor([[0.5, 0.2]])).requires_grad_()
+    sampler = torch.log(torch.tensor([[0.25, 0.4]]))
+    loss, m = _loss(logp, logp.detach(), torch.tensor([1.0]), sampler_logprobs=sampler, tis_cap=1.5)
+    assert loss.item() == pytest.approx(-1.0)
+    loss.backward()
+    assert_close(logp.grad, torch.tensor([[-0.75, -0.25]]))
+    # weights 1.5 and 0.5: mean 1.0, max 1.5, one of two truncated; |log π_old - log π_sampler| = ln 2
+    assert m["is/weight_mean"] == pytest.approx(1.0) and m["is/weight_max"] == pytest.approx(1.5)
+    assert m["is/truncated"] == 0.5 and m["old/logp_diff"] == pytest.approx(math.log(2))
+    assert m["ratio/mean"] == 1.0 and m["ratio/clipfrac"] == 0.0
+
+
+def test_sequence_tis_weights_a_sequence_by_the_product_of_its_ratios():
+    # The same tokens as one sequence: 2 · 0.5 = 1 -> w = 1 on both (< 1.5, none truncated): loss -1.0,
+    # gradient -1·1·1/2 = -0.5 each. With a cap of 0.8: w = 0.8 on both, both truncated, loss -0.8.
+    logp = torch.log(torch.tensor([[0.5, 0.2]])).requires_grad_()
+    sampler = torch.log(torch.tensor([[0.25, 0.4]]))
+    kw = {"sampler_logprobs": sampler, "tis_level": "sequence"}
+    loss, m = _loss(logp, logp.detach(), torch.tensor([1.0]), tis_cap=1.5, **kw)
+    assert loss.item() == pytest.approx(-1.0) and m["is/truncated"] == 0.0
+    loss.backward()
+    assert_close(logp.grad, torch.tensor([[-0.5, -0.5]]))
+    loss, m = _loss(logp, logp.detach(), torch.tensor([1.0]), tis_cap=0.8, **kw)
+    assert loss.item() == pytest.approx(-0.8) and m["is/truncated"] == 1.0
+
+
+def test_tis_reduces_to_plain_grpo_on_policy_and_to_plain_importance_sampling_uncapped():
+    logp, old, adv = _four_clip_cases()
+    plain, _ = _loss(logp, old, adv)
+    # π_old = π_sampler (on-policy, or old_logprobs = "sampler"): every weight is 1, whatever the cap
+    same, m = _loss(logp, old, adv, sampler_logprobs=old, tis_cap=1.01)
+    assert same.item() == pytest.approx(plain.item()) and m["is/weight_mean"] == 1.0
+    # C = ∞: the weight is the whole ratio π_old/π_sampler (here e^0.3 on every token) and scales the loss
+    uncapped, m = _loss(logp, old, adv, sampler_logprobs=old - 0.3, tis_cap=1e9)
+    assert uncapped.item() == pytest.approx(math.exp(0.3) * plain.item()) and m["is/truncated"] == 0.0
+
+
+def test_decoupled_ppo_clips_against_the_proximal_policy_and_weights_by_the_behaviour_one():
+    # π_θ = 1.1·π_prox (log-ratio ln 1.1), π_prox = 2·π_behaviour. ρ = 1.1 is inside [0.8, 1.2]: the
+    # surrogate is 1.1·A with A = +1; w = min(2, 3) = 2 -> objective 2.2, loss -2.2, gradient -w·ρ·A = -2.2.
+    # With the cap at 1.5: w = 1.5 (truncated), objective 1.65.
+    prox = torch.tensor([[math.log(0.4)]])
+    logp = (prox + math.log(1.1)).requires_grad_()
+    behaviour = prox - math.log(2.0)
+    loss, m = _loss(logp, prox, torch.tensor([1.0]), sampler_logprobs=behaviour, tis_cap=3.0)
+    assert loss.item() == pytest.approx(-2.2)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-2.2)
+    assert m["ratio/mean"] == pytest.approx(1.1) and m["ratio/clipfrac"] == 0.0
+    loss, m = _loss(logp, prox, torch.tensor([1.0]), sampler_logprobs=behaviour, tis_cap=1.5)
+    assert loss.item() == pytest.approx(-1.65) and m["is/truncated"] == 1.0
+
+
+def test_gspo_takes_one_length_normalised_ratio_per_sequence_and_clips_it():
+    # Token log-ratios (0.3, -0.3), A = +1, ε = 0.2 both sides. Per token: ρ = (1.3499, 0.7408) ->
+    # min(1.3499, 1.2) = 1.2 and min(0.7408, 0.8) = 0.7408: objective (1.2 + 0.7408)/2 = 0.9704.
+    # Per sequence: s = exp(mean(0.3, -0.3)) = 1 on both tokens -> objective mean(s·A, s·A) = s·A = 1,
+    # unclipped; d s / d log π_t = s/|y| = 0.5 -> d loss / d log π_t = -0.5. Per token: 0 for the clipped
+    # one, -ρ·A/2 = -0.7408/2 = -0.3704 for the other.
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[0.3, -0.3]], requires_grad=True)
+    token, _ = _loss(logp, old, torch.tensor([1.0]))
+    assert token.item() == pytest.approx(-(1.2 + math.exp(-0.3)) / 2, abs=1e-6)
+    token.backward()
+    assert_close(logp.grad, torch.tensor([[0.0, -math.exp(-0.3) / 2]]))
+    logp.grad = None
+    seq, m = _loss(logp, old, torch.tensor([1.0]), ratio_level="sequence")
+    assert seq.item() == pytest.approx(-1.0) and m["ratio/clipfrac"] == 0.0
+    seq.backward()
+    assert_close(logp.grad, torch.tensor([[-0.5, -0.5]]))
+    # GSPO's own clip range (3e-4, 4e-4): log-ratios (0.2, 0.2, 0.2) -> s = e^0.2 = 1.2214 -> clipped at
+    # 1.0004 for A = +1: objective 1.0004 and no gradient, every token counted as clipped.
+    logp = torch.full((1, 3), 0.2, requires_grad=True)
+    seq, m = _loss(
+        logp,
+        torch.zeros(1, 3),
+        torch.tensor([1.0]),
+        ratio_level="sequence",
+        epsilon_low=3e-4,
+        epsilon_high=4e-4,
+    )
+    assert seq.item() == pytest.approx(-1.0004) and m["ratio/clipfrac"] == 1.0
+    seq.backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 3))
+
+
+def test_cispo_clips_the_weight_and_keeps_the_gradient_ppo_would_zero():
+    # ρ = (1.5, 0.5), A = +1, ε = 0.2: weights sg(clip(ρ)) = (1.2, 0.8). Objective per token w·A·log π:
+    # (1.2·ln 1.5 + 0.8·ln 0.5)/2 = (0.486558 - 0.554518)/2 = -0.033980 -> loss +0.033980.
+    # d loss / d log π = -w·A/2 = (-0.6, -0.4); PPO gives (0, -0.25): its clip zeroes the first token.
+    logp = torch.log(torch.tensor([[1.5, 0.5]])).requires_grad_()
+    loss, m = _loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), loss_type="cispo")
+    assert loss.item() == pytest.approx(0.033980, abs=1e-6) and m["ratio/clipfrac"] == 1.0
+    loss.backward()
+    assert_close(logp.grad, torch.tensor([[-0.6, -0.4]]))
+    ppo = torch.log(torch.tensor([[1.5, 0.5]])).requires_grad_()
+    _loss(ppo, torch.zeros(1, 2), torch.tensor([1.0]))[0].backward()
+    assert_close(ppo.grad, torch.tensor([[0.0, -0.25]]))
 
 
 # ---------------------------------------------------------------- chunked logprobs
@@ -332,3 +444,12 @@ def test_bf16_logprobs_upcast_before_the_temperature_like_the_sampler():
     err_before = (before.double() - reference).abs().mean().item()
     assert err_now < 1e-5  # fp32 arithmetic on the same bf16 inputs
     assert err_before > 100 * err_now, (err_before, err_now)
+
+
+def test_a_step_sums_token_weighted_metrics_and_maxes_the_maxima():
+    from learner.train import _combine
+
+    # two micro-batches (or ranks): token-weighted sums add, "*_max" takes the larger, the first is kept
+    assert _combine("is/weight_mean", 3.0, 1.5) == 4.5
+    assert _combine("is/weight_max", 1.2, 0.7) == 1.2 and _combine("is/weight_max", 0.7, 1.2) == 1.2
+    assert _combine("is/weight_max", None, 0.7) == 0.7

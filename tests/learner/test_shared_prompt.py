@@ -105,11 +105,12 @@ def _assert_same(plain, packed, rel: float):
         assert diff <= rel * scale, f"{name}: max |diff| {diff:.3g} vs max |grad| {scale:.3g}"
 
 
-def _cfg(beta: float, aggregation: str):
+def _cfg(beta: float, aggregation: str, options: tuple[str, ...] = ()):
+    dual_clip = [] if "grpo.loss=cispo" in options else ["grpo.dual_clip=3.0"]
     return load_config(
         None,
         [
-            f"grpo.beta={beta}", f"grpo.aggregation={aggregation}", "grpo.is_cap=3.0",
+            f"grpo.beta={beta}", f"grpo.aggregation={aggregation}", *dual_clip, *options,
             "sampling.max_new_tokens=8", "sampling.temperature=0.7", "learner.logprob_chunk_size=5",
         ],
     )  # fmt: skip
@@ -124,6 +125,27 @@ def test_packed_equals_plain_fp32(arch, attn, beta, aggregation):
     # micro 12: all of a step in one micro-batch (3 rows); micro 3: groups cut across micro-batches
     for micro in (12, 3):
         _assert_same(_run(model, seqs, cfg, False, micro), _run(model, seqs, cfg, True, micro), rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        # TIS / decoupled PPO; caps where some weights are truncated (the tiny model's log-probs are ~ -4.6,
+        # the made-up sampler's -3..0: token weights ~0.01-0.2, a sequence's their product)
+        ("grpo.old_logprobs=recompute", "grpo.tis_cap=0.05"),
+        ("grpo.old_logprobs=recompute", "grpo.tis_cap=1e-4", "grpo.tis_level=sequence"),
+        ("grpo.ratio_level=sequence", "grpo.epsilon_low=0.2", "grpo.epsilon_high=0.2"),  # GSPO
+        ("grpo.loss=cispo",),
+    ],
+)
+def test_packed_equals_plain_for_each_off_policy_correction(options):
+    model = _peft(_tiny("llama", "sdpa"))
+    seqs, cfg = _sequences(97), _cfg(0.04, "seq_mean_token_mean", options)
+    plain, packed = _run(model, seqs, cfg, False, 3), _run(model, seqs, cfg, True, 3)
+    _assert_same(plain, packed, rel=1e-4)
+    if cfg.grpo.tis_cap is not None:
+        assert 0 < plain[1]["is/truncated"] < 1  # the weights are truncated on some tokens, not all
+        assert plain[1]["ratio/mean"] == pytest.approx(1.0)  # recomputed π_old: the ratio's value is 1
 
 
 def test_packed_equals_plain_with_gradient_checkpointing():

@@ -244,3 +244,29 @@ def test_every_field_is_described_and_the_reference_page_is_current():
         [sys.executable, "scripts/config_reference.py", "--check"], cwd=REPO, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["grpo.is_cap=3"], "invalid config: grpo.is_cap: renamed: use grpo.dual_clip"),
+        (["grpo.tis_cap=2"], "invalid config: grpo.tis_cap needs grpo.old_logprobs = 'recompute'"),
+        (
+            ["grpo.loss=cispo", "grpo.dual_clip=3"],
+            "invalid config: grpo.dual_clip does not apply to grpo.loss",
+        ),
+    ],
+)
+def test_off_policy_settings_that_cannot_go_together_name_both_fields(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(message)
+
+
+def test_gspo_brings_its_own_clip_range_unless_one_is_set():
+    g = load_config(None, ["grpo.ratio_level=sequence"]).grpo
+    assert (g.epsilon_low, g.epsilon_high) == (3e-4, 4e-4)
+    g = load_config(None, ["grpo.ratio_level=sequence", "grpo.epsilon_high=0.01"]).grpo
+    assert (g.epsilon_low, g.epsilon_high) == (3e-4, 0.01)
+    g = load_config(None, ["grpo.loss=cispo"]).grpo  # the default dual clip is simply not used there
+    assert g.dual_clip == 2.0 and (g.epsilon_low, g.epsilon_high) == (0.2, 0.2)
