@@ -2,16 +2,15 @@
 the server] -> per micro-batch: log-probs, reference log-probs, grpo_loss, backward -> optimizer step
 -> checkpoint -> ack -> publish adapter v+1 [-> wake the server] -> metrics.
 
-Rank 0 talks to the server and broadcasts the groups; every rank trains on its shard.
+Rank 0 talks to the server and broadcasts the groups; every rank trains on its shard. The step's math on a
+batch is in learner/step.py, the process's signals, threads and memory settings in learner/process.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 
 from learner import checkpoint as ckpt
-from learner.batch import MicroBatch, PackedBatch, collate, is_degenerate, is_stale, pack, sequences, shard
+from learner.batch import is_degenerate, is_stale
 from learner.client import Interrupted, RolloutClient, ServerError
 from learner.engine import (
     broadcast_object,
@@ -28,11 +27,11 @@ from learner.engine import (
     init_distributed,
     move_frozen,
     optimizer_state_numel,
-    reference_policy,
 )
-from learner.grpo import grpo_loss, picked_logprobs, token_logprobs
 from learner.metrics import MetricsSink
 from learner.pool import ServerPool
+from learner.process import Stop, crash_point, keep_freed_memory, pin_threads
+from learner.step import train_step
 from shared.config import TandemConfig, check_batch_size
 from shared.protocol import ScoredGroup
 
@@ -93,82 +92,6 @@ def collect_groups(
     return pulled
 
 
-def completion_logprobs(model, b: MicroBatch | PackedBatch, dtype, temperature: float, chunk_size: int):
-    """Log-probs [n, T] (with grad) and entropies [n, T] of the batch's completion tokens under
-    softmax(logits / temperature): the sampler drew from that distribution, so it is the policy whose
-    ratio and KL we take. A PackedBatch gives the same values as the MicroBatch of the same completions
-    (tests/learner/test_shared_prompt.py), from fewer tokens and only the logits that are scored."""
-    if isinstance(b, PackedBatch):
-        logits = model(
-            input_ids=b.input_ids,
-            position_ids=b.position_ids,
-            attention_mask=b.additive_mask(dtype),
-            logits_to_keep=b.keep,
-            use_cache=False,
-        ).logits  # [R, K, V]
-        lp, entropy = picked_logprobs(
-            logits.reshape(-1, logits.shape[-1]),
-            b.rows,
-            b.targets,
-            chunk_size=chunk_size,
-            temperature=temperature,
-        )  # [Q]: every real completion token, row-major over [n, T]
-        real = b.tokens.bool()  # [n, T], the same row-major order as the picks
-
-        def spread(x):
-            return x.new_zeros(real.shape).masked_scatter(real, x)
-
-        return spread(lp), spread(entropy)
-    logits = model(
-        input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False
-    ).logits  # [n, L, V]
-    lp, entropy = token_logprobs(
-        logits[:, :-1], b.input_ids[:, 1:], chunk_size=chunk_size, temperature=temperature
-    )  # [n, L-1]
-    return lp.gather(1, b.positions), entropy.gather(1, b.positions)
-
-
-def micro_loss(
-    engine, b: MicroBatch | PackedBatch, cfg: TandemConfig, total_sequences: int, total_tokens: int
-):
-    """One micro-batch's share of the step's GRPO loss (global normalisers), with its metrics: token
-    means over its completion tokens (policy entropy among them) and their count under "tokens"."""
-    g, lc, temperature = cfg.grpo, cfg.learner, cfg.sampling.temperature
-    module = getattr(engine, "module", engine)
-    dtype = module.get_input_embeddings().weight.dtype
-    logprobs, entropy = completion_logprobs(engine, b, dtype, temperature, lc.logprob_chunk_size)
-    ref_logprobs = None
-    if g.beta > 0:
-        with reference_policy(engine) as ref_model:
-            ref_logprobs, _ = completion_logprobs(ref_model, b, dtype, temperature, lc.logprob_chunk_size)
-    # "recompute": π_old is the policy at this step's weights, which every micro-batch of the step sees
-    # (the optimizer steps once, after the last), so its log-probs are these, detached: no extra forward.
-    old = logprobs.detach() if g.old_logprobs == "recompute" else b.sampler_logprobs
-    loss, m = grpo_loss(
-        logprobs,
-        old,
-        ref_logprobs,
-        b.advantages,
-        b.mask,
-        epsilon_low=g.epsilon_low,
-        epsilon_high=g.epsilon_high,
-        beta=g.beta,
-        kl_estimator=g.kl_estimator,
-        aggregation=g.aggregation,
-        max_tokens=cfg.sampling.max_new_tokens,
-        dual_clip=g.dual_clip if g.loss == "ppo_clip" else None,
-        sampler_logprobs=b.sampler_logprobs,
-        tis_cap=g.tis_cap,
-        tis_level=g.tis_level,
-        ratio_level=g.ratio_level,
-        loss_type=g.loss,
-        total_sequences=total_sequences,
-        total_tokens=total_tokens,
-    )
-    m["policy/entropy"] = float((entropy * b.mask).sum() / max(m["tokens"], 1.0))
-    return loss, m
-
-
 def ack(client: RolloutClient, lease_id: str) -> None:
     """Ack a lease. One that expired and whose groups went out again is reported, not fatal: the groups
     were trained on here, and stopping would not undo the other copy (raise server.lease_s)."""
@@ -190,56 +113,6 @@ def release(client: RolloutClient, lease_ids: list[str]) -> None:
                 client.release(lease_id)
     finally:
         client.retry_s = retry
-
-
-def crash_point(name: str, step: int) -> None:
-    """Fault tests: `TANDEM_CRASH_AT=<name>:<step>` SIGKILLs this process at that point of that step,
-    so a test can kill the learner exactly between two effects (checkpoint, ack, publish)."""
-    if os.environ.get("TANDEM_CRASH_AT") == f"{name}:{step}":
-        print(f"[learner] TANDEM_CRASH_AT={name}:{step}: SIGKILL", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def train_step(
-    engine, groups: list[ScoredGroup], cfg: TandemConfig, rank: int, world: int, pad_id: int
-) -> dict:
-    """One optimizer step over all ranks' shards of the step's B x G completions."""
-    lc = cfg.learner
-    seqs, advantages = sequences(groups, cfg.grpo)
-    total_tokens = sum(s.model_tokens for s in seqs)  # environment tokens are context, scored nowhere
-    device = next(p.device for p in engine.module.parameters() if p.requires_grad)
-    sums: dict[str, float] = {}
-    for micro in shard(seqs, rank, world, lc.micro_batch_size):
-        b = (pack if lc.shared_prompt else collate)(micro, pad_id).to(device)
-        loss, m = micro_loss(engine, b, cfg, len(seqs), total_tokens)
-        # Each shard's loss is its share of the whole step's loss (global normalisers). DeepSpeed divides
-        # by the accumulation steps and averages over ranks; undo both so gradients are those of the sum.
-        engine.backward(loss * lc.grad_accum * world)
-        engine.step()
-        n = m.pop("tokens")
-        m["loss"] = loss.item()
-        for k, v in m.items():
-            sums[k] = _combine(k, sums.get(k), v if k == "loss" or k.endswith("_max") else v * n)
-        sums["tokens"] = sums.get("tokens", 0.0) + n
-    merged: dict[str, float] = {}
-    for part in gather_objects(sums):
-        for k, v in part.items():
-            merged[k] = _combine(k, merged.get(k), v)
-    tokens = max(merged.pop("tokens"), 1.0)
-    metrics = {k: (v if k == "loss" or k.endswith("_max") else v / tokens) for k, v in merged.items()}
-    metrics.setdefault("kl/ref", None)  # beta = 0: the reference pass is skipped, so no KL to report
-    live = advantages[~torch.tensor([is_degenerate(gr) for gr in groups])]
-    metrics["advantage/mean"] = float(live.mean()) if live.numel() else 0.0
-    metrics["advantage/std"] = float(live.std(correction=0)) if live.numel() else 0.0
-    metrics["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)  # before clipping, all ranks
-    return metrics
-
-
-def _combine(key: str, total: float | None, value: float) -> float:
-    """Metrics summed over micro-batches and ranks (token-weighted, or the loss), or maxed ("*_max")."""
-    if total is None:
-        return value
-    return max(total, value) if key.endswith("_max") else total + value
 
 
 def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
@@ -304,33 +177,6 @@ def _persist(engine, cfg: TandemConfig, out: Path, state: ckpt.State, pulled: Pu
     return adapter, error
 
 
-class _Stop:
-    """SIGTERM/SIGINT: finish the step in progress, checkpoint, exit 0. Another signal more than
-    `same_stop_s` later aborts the step; one sooner is the same stop delivered twice (SLURM signals every
-    process of a job step, the learner's wrapper forwards it too; Ctrl-C reaches the whole process group),
-    which must not cost the step."""
-
-    same_stop_s = 2.0
-
-    def __init__(self, clock=time.monotonic):
-        self.requested, self._at, self._clock = False, 0.0, clock
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.requested:
-            if self._clock() - self._at <= self.same_stop_s:
-                return
-            raise KeyboardInterrupt(f"{name} while stopping: the step in progress is abandoned")
-        self.requested, self._at = True, self._clock()
-        print(
-            f"[learner] {name}: finishing this step, then checkpoint and exit (another signal, more than "
-            f"{self.same_stop_s:.0f} s from now, abandons the step)",
-            flush=True,
-        )
-
-
 def build_beside_server(client, cfg: TandemConfig, shares_gpu: bool, build, log):
     """Build the engine so that the two processes never peak together on a shared GPU: the server sleeps
     while the learner builds (sync_server wakes it), and then the learner's frozen weights go to host RAM,
@@ -357,7 +203,7 @@ class _Run:
     device: object
     out: Path
     sink: MetricsSink
-    stop: _Stop
+    stop: Stop
     rank: int
     world: int
     pad_id: int
@@ -464,7 +310,7 @@ def _loop(run: _Run, state: ckpt.State) -> None:
         t_step = time.perf_counter() - handoff_s  # a step's time includes the handoff before it
 
 
-def _connect(cfg: TandemConfig, log, stop: _Stop) -> RolloutClient | ServerPool:
+def _connect(cfg: TandemConfig, log, stop: Stop) -> RolloutClient | ServerPool:
     """A client for the server (a pool for learner.server_urls), once one answers; its group size must be
     the learner's."""
     lc, token = cfg.learner, os.environ.get(cfg.learner.api_token_env) or None
@@ -502,46 +348,13 @@ def _write_summary(run: _Run, state: ckpt.State, digest_start: str | None) -> No
         (run.out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def pin_threads(n: int | None, log) -> None:
-    """learner.threads: compute on n threads, pinned to the last n cores this process may use (a server
-    on the same machine takes the first ones, server.vllm.cpu_threads)."""
-    if n is None:
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    mine = cores[-n:]
-    os.sched_setaffinity(0, mine)
-    torch.set_num_threads(len(mine))
-    log(f"computing on {len(mine)} thread(s), cores {','.join(map(str, mine))} (learner.threads)")
-
-
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
-
-
-def keep_freed_memory(log) -> bool:
-    """CPU: keep the memory torch frees inside the process. There torch allocates every micro-batch's
-    activations anew with malloc, and glibc gives large freed blocks straight back to the OS (mmap'd
-    blocks, the heap's top beyond 128 KiB), so the next micro-batch faults every page in again: some 0.7M
-    page faults per step of the CPU benchmark, handled one at a time while the compute threads wait
-    (docs/benchmarks.md §3). No mmap'd blocks and no trimming: the footprint stays at its peak, which each
-    step reaches anyway. False (nothing changed) where the C library is not glibc."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if mallopt(M_MMAP_MAX, 0) != 1 or mallopt(M_TRIM_THRESHOLD, 2**31 - 1) != 1:
-        return False
-    log("freed memory is kept in the process, not returned to the OS (saves re-faulting it each step)")
-    return True
-
-
 def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     rank, world, on_cpu = init_distributed()
     check_batch_size(cfg, world)
     out = Path(cfg.learner.out_dir)
     lead = rank == 0
     log = (lambda *a: print("[learner]", *a, flush=True)) if lead else (lambda *a: None)
-    stop = _Stop()
+    stop = Stop()
     torch.manual_seed(cfg.learner.seed)  # the same LoRA init on every rank
     if on_cpu:
         pin_threads(cfg.learner.threads, log)

@@ -6,7 +6,7 @@ tokens, fails."""
 import torch
 
 from learner.batch import Sequence, collate, pack, sequences
-from learner.train import micro_loss
+from learner.step import micro_loss
 from shared.config import GRPOConfig
 from shared.protocol import Completion, ScoredGroup
 from tests.learner.test_shared_prompt import _cfg, _peft, _tiny

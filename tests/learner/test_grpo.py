@@ -447,7 +447,7 @@ def test_bf16_logprobs_upcast_before_the_temperature_like_the_sampler():
 
 
 def test_a_step_sums_token_weighted_metrics_and_maxes_the_maxima():
-    from learner.train import _combine
+    from learner.step import _combine
 
     # two micro-batches (or ranks): token-weighted sums add, "*_max" takes the larger, the first is kept
     assert _combine("is/weight_mean", 3.0, 1.5) == 4.5

@@ -1,5 +1,6 @@
-"""keep_freed_memory (learner/train.py): on CPU the learner keeps what torch frees, so the next micro-batch's
-activations do not fault their pages in again. Measured in a child process: the setting is process-wide."""
+"""keep_freed_memory (learner/process.py): on CPU the learner keeps what torch frees, so the next
+micro-batch's activations do not fault their pages in again. Measured in a child process: the setting is
+process-wide."""
 
 import platform
 import subprocess
@@ -11,7 +12,7 @@ from tests.helpers import REPO
 
 FAULTS = """
 import resource, torch
-from learner.train import keep_freed_memory
+from learner.process import keep_freed_memory
 kept = keep_freed_memory(print) if {keep} else False
 for _ in range(3):  # the heap settles within a few steps' allocations
     x = torch.ones(16 * 2**20)  # 64 MiB, far above glibc's mmap threshold

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from learner.batch import Sequence, collate, pack, shard
-from learner.train import micro_loss
+from learner.step import micro_loss
 from shared.config import load_config
 
 # Prompt lengths 7, 12, 3; completions of length 1, truncated ones at max_new_tokens = 8, and the rest.

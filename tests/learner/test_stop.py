@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from learner.train import _Stop
+from learner.process import Stop
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def _send(sig):
 
 def test_the_same_stop_twice_is_one_stop_and_a_later_signal_abandons_the_step(handlers, capsys):
     now = [100.0]
-    stop = _Stop(clock=lambda: now[0])
+    stop = Stop(clock=lambda: now[0])
     assert not stop.requested
     _send(signal.SIGTERM)
     assert stop.requested and "SIGTERM: finishing this step" in capsys.readouterr().out

@@ -11,7 +11,7 @@ from tests.helpers import REPO
 
 SHOW = """
 import os, torch
-from learner.train import pin_threads
+from learner.process import pin_threads
 pin_threads({n}, print)
 print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())
 """
