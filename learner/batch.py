@@ -16,7 +16,7 @@ from shared.protocol import ScoredGroup
 def is_stale(group: ScoredGroup, version: int, max_staleness: int, floor_version: int = 0) -> bool:
     """Produced by a policy more than max_staleness versions older than the learner's, by a version the
     learner has not reached (another run's), or below `floor_version` (before a resume that had to
-    re-publish its weights under a new version: see checkpoint.sync_server)."""
+    re-publish its weights under a new version: see servers.sync_server)."""
     lag = version - group.policy_version
     return lag > max_staleness or lag < 0 or group.policy_version < floor_version
 

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from learner.client import RolloutClient, ServerError
 from learner.engine import barrier, load_checkpoint, save_checkpoint
 from shared.config import TandemConfig
 
@@ -314,47 +313,15 @@ def read_inflight(out: Path) -> list[str]:
     return ids
 
 
-def _settle_leases(client: RolloutClient, state: State, out: Path, log) -> None:
-    """Ack what the checkpoint trained on; release what a killed predecessor pulled but never trained,
-    so those groups are trained next (not whenever their lease would have expired)."""
-    for lease_id in dict.fromkeys([*state.pending_leases, *read_inflight(out)]):
-        trained = lease_id in state.pending_leases
-        try:
-            if trained:
-                client.ack(lease_id)
-            else:
-                n = client.release(lease_id).released
-                log(f"released {n} group(s) pulled before the restart but never trained")
-        except ServerError as e:
-            if e.status != 404:  # 404: already acked (after its checkpoint) or long expired
-                log(f"WARNING: could not settle lease {lease_id} from before the restart: {e}")
-    state.pending_leases = []
-    write_inflight(out, [])
-
-
-def sync_server(client: RolloutClient, engine, state: State, out: Path, log) -> None:
-    """Settle leases left by a previous run, wake the server if it was left asleep, and make it serve
-    exactly this learner's weights before training starts.
-
-    A server ahead of the checkpoint (it serves a version this learner's state does not hold: another
-    run's, or steps after a checkpoint that was lost) gets this learner's weights as the next version;
-    groups made by older versions are then stale (State.floor_version)."""
-    _settle_leases(client, state, out, log)
-    health = client.health()
-    if health.sleeping:  # a previous learner may have died between sleep and wake
-        client.wake()
-    served = health.policy_version
-    if served == state.version:
-        return
-    if served > state.version:
-        log(
-            f"WARNING: the server serves v{served}, ahead of this learner's checkpoint (step {state.step}, "
-            f"v{state.version}); publishing this learner's weights as v{served + 1} so both sides agree. "
-            f"Groups made by v{served} and older are dropped as stale"
-        )
-        state.version = state.floor_version = served + 1
-    # Saved from the weights just loaded, never taken from disk: after a jump, adapters/v<N> may hold the
-    # weights of a step that the resumed checkpoint does not (one trained after it, then pointed back).
-    folder = save_adapter(engine, out, state.version)
-    client.publish(state.version, folder)
-    log(f"published v{state.version} to the server (it served v{served})")
+def write_summary(
+    out: Path, engine, state: State, world: int, digest_start: str | None, optimizer_numel: list[int]
+) -> None:
+    """run_summary.json: where the run ended, and evidence that the base stayed frozen and that ZeRO-2
+    split the optimizer state (`optimizer_numel`: each rank's; tests read both)."""
+    summary = {
+        "step": state.step, "policy_version": state.version, "world_size": world,
+        "base_sha256_start": digest_start, "base_sha256_end": base_digest(engine),
+        "optimizer_state_numel_per_rank": optimizer_numel,
+    }  # fmt: skip
+    with writing(out, "run_summary.json"):
+        (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -106,6 +106,10 @@ class RolloutClient:
         )
         return out.model_validate_json(self._check(r, f"POST {path}").content)
 
+    def metrics(self) -> dict[str, float]:
+        """Per-server figures for the step's metrics: none for one server (ServerPool has them)."""
+        return {}
+
     def health(self) -> P.Health:
         r = self._send("GET /health", lambda: self._http.get("/health"))
         return P.Health.model_validate_json(self._check(r, "GET /health").content)

@@ -2,15 +2,14 @@
 the server] -> per micro-batch: log-probs, reference log-probs, grpo_loss, backward -> optimizer step
 -> checkpoint -> ack -> publish adapter v+1 [-> wake the server] -> metrics.
 
-Rank 0 talks to the server and broadcasts the groups; every rank trains on its shard. The step's math on a
-batch is in learner/step.py, the process's signals, threads and memory settings in learner/process.py.
+Rank 0 talks to the server and broadcasts the groups; every rank trains on its shard. The conversation with
+the servers (leases) is in learner/servers.py, the step's math on a batch in learner/step.py, the process's
+signals, threads and memory settings in learner/process.py, what a step leaves on disk in checkpoint.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 
 from learner import checkpoint as ckpt
-from learner.batch import is_degenerate, is_stale
+from learner.batch import is_degenerate
 from learner.client import Interrupted, RolloutClient, ServerError
 from learner.engine import (
     broadcast_object,
@@ -29,129 +28,10 @@ from learner.engine import (
     optimizer_state_numel,
 )
 from learner.metrics import MetricsSink
-from learner.pool import ServerPool
 from learner.process import Stop, crash_point, keep_freed_memory, pin_threads
-from learner.step import train_step
+from learner.servers import Pulled, ack, collect_or_stop, connect, release, sync_server
+from learner.step import batch_metrics, train_step
 from shared.config import TandemConfig, check_batch_size
-from shared.protocol import ScoredGroup
-
-
-@dataclass
-class Pulled:
-    groups: list[ScoredGroup]
-    lease_ids: list[str]
-    seen: int = 0  # non-stale groups pulled
-    stale: int = 0
-    degenerate: int = 0
-    dropped_degenerate: int = 0
-    seconds: float = 0.0
-
-
-def collect_groups(
-    client: RolloutClient, cfg: TandemConfig, version: int, out: Path, floor_version: int = 0
-) -> Pulled:
-    """B usable groups. Stale ones are dropped; with dynamic sampling degenerate ones too, pulling more
-    for up to max_pull_rounds, after which degenerate groups fill what is missing (they still carry
-    the KL term). Everything pulled is acked with the step, dropped groups included (and counted).
-    Each lease is on disk (inflight_leases.json) before its groups are used; one that cannot be written
-    there is given back to the server at once, and the error raised."""
-    need, lc = cfg.learner.prompts_per_step, cfg.learner
-    pulled, spare, rounds, t0 = Pulled([], []), [], 0, time.perf_counter()
-    while len(pulled.groups) < need:
-        filtering = lc.dynamic_sampling and rounds < lc.max_pull_rounds
-        if not filtering and spare:  # the bound is hit: degenerate groups fill the gap
-            take = need - len(pulled.groups)
-            pulled.groups, spare = pulled.groups + spare[:take], spare[take:]
-            continue
-        resp = client.pull(need - len(pulled.groups), wait_s=lc.pull_wait_s)
-        rounds += 1
-        kept = 0
-        for g in resp.groups:
-            if is_stale(g, version, lc.max_staleness, floor_version):
-                pulled.stale += 1
-                continue
-            pulled.seen += 1
-            kept += 1
-            if is_degenerate(g):
-                pulled.degenerate += 1
-                if filtering:
-                    spare.append(g)
-                    continue
-            pulled.groups.append(g)
-        if resp.lease_id and kept:
-            try:
-                ckpt.write_inflight(out, [*pulled.lease_ids, resp.lease_id])
-            except ckpt.OutDirError:
-                release(client, [*pulled.lease_ids, resp.lease_id])
-                raise
-            pulled.lease_ids.append(resp.lease_id)
-        elif resp.lease_id:  # only stale groups: done with them now, before the lease can run out
-            ack(client, resp.lease_id)
-    pulled.dropped_degenerate = len(spare)
-    pulled.seconds = time.perf_counter() - t0
-    return pulled
-
-
-def ack(client: RolloutClient, lease_id: str) -> None:
-    """Ack a lease. One that expired and whose groups went out again is reported, not fatal: the groups
-    were trained on here, and stopping would not undo the other copy (raise server.lease_s)."""
-    try:
-        client.ack(lease_id)
-    except ServerError as e:
-        if e.status not in (404, 409):
-            raise
-        print(f"[learner] WARNING: {e}", flush=True)
-
-
-def release(client: RolloutClient, lease_ids: list[str]) -> None:
-    """Give leases back untrained (their groups go to the front of the queue), as far as the server
-    can be reached: what it cannot take back returns by itself after server.lease_s."""
-    retry, client.retry_s = client.retry_s, 0.0  # on the way out: no waiting for a server that is gone
-    try:
-        for lease_id in lease_ids:
-            with contextlib.suppress(ServerError, Interrupted):
-                client.release(lease_id)
-    finally:
-        client.retry_s = retry
-
-
-def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
-    rewards = torch.tensor([r for g in pulled.groups for r in g.rewards])
-    lengths = torch.tensor(  # the model's tokens: an episode's environment turns are not its length
-        [c.num_model_tokens for g in pulled.groups for c in g.completions], dtype=torch.float32
-    )
-    truncated = [c.finish_reason == "length" for g in pulled.groups for c in g.completions]
-    tokens = float(lengths.sum())
-    by_function: dict[str, list[float]] = {}
-    for c in (c for g in pulled.groups for c in g.completions):
-        for name, value in c.rewards.items():
-            by_function.setdefault(name, []).append(value)
-    return {
-        **{f"reward/{name}/mean": sum(v) / len(v) for name, v in by_function.items()},
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std(correction=0)),
-        "accuracy": float((rewards >= 1.0).float().mean()),
-        "groups/degenerate": pulled.degenerate / max(pulled.seen, 1),
-        "groups/stale_dropped": float(pulled.stale),
-        "groups/degenerate_dropped": float(pulled.dropped_degenerate),
-        "completion/length": float(lengths.mean()),
-        "completion/truncated": sum(truncated) / len(truncated),
-        "policy/version_lag": sum(version - g.policy_version for g in pulled.groups) / len(pulled.groups),
-        "perf/rollout_tok_s": tokens / max(pulled.seconds, 1e-9),
-        "perf/pull_s": pulled.seconds,
-    }
-
-
-def _collect(client: RolloutClient, cfg: TandemConfig, state: ckpt.State, out: Path, log):
-    """collect_groups; None when a stop is requested while the server cannot be reached; the error
-    message when out_dir cannot record the leases (they were given back)."""
-    try:
-        return collect_groups(client, cfg, state.version, out, state.floor_version)
-    except Interrupted as e:
-        log(f"{e}: exit (the last step's checkpoint stands)")
-        return None
-    except ckpt.OutDirError as e:
-        return str(e)
 
 
 def _persist(engine, cfg: TandemConfig, out: Path, state: ckpt.State, pulled: Pulled, rank: int):
@@ -218,10 +98,10 @@ def _pull(run: _Run, state: ckpt.State) -> Pulled | None:
         groups = ckpt.replay_groups(run.cfg.learner.replay_file, state.step + 1)
         return Pulled(groups, [], seen=len(groups), degenerate=sum(map(is_degenerate, groups)))
     pulled = broadcast_object(
-        _collect(run.client, run.cfg, state, run.out, run.log) if run.rank == 0 else None
+        collect_or_stop(run.client, run.cfg, state, run.out, run.log) if run.rank == 0 else None
     )
-    if isinstance(pulled, str):
-        raise ckpt.OutDirError(pulled)
+    if pulled is not None and pulled.error is not None:
+        raise ckpt.OutDirError(pulled.error)
     return pulled
 
 
@@ -296,8 +176,8 @@ def _loop(run: _Run, state: ckpt.State) -> None:
             "perf/step_s": time.perf_counter() - t_step,
             "server/queue_depth": queue_depth,
         }
-        if isinstance(run.client, ServerPool):
-            metrics |= run.client.metrics()
+        if run.client is not None:
+            metrics |= run.client.metrics()  # several servers: each one's figures
         with ckpt.writing(run.out, "metrics.jsonl"):
             run.sink.write(state.step, metrics)
         t_handoff = time.perf_counter()
@@ -308,44 +188,6 @@ def _loop(run: _Run, state: ckpt.State) -> None:
             run.published = not interrupted
             return
         t_step = time.perf_counter() - handoff_s  # a step's time includes the handoff before it
-
-
-def _connect(cfg: TandemConfig, log, stop: Stop) -> RolloutClient | ServerPool:
-    """A client for the server (a pool for learner.server_urls), once one answers; its group size must be
-    the learner's."""
-    lc, token = cfg.learner, os.environ.get(cfg.learner.api_token_env) or None
-    urls = lc.server_urls or [lc.server_url]
-    if len(urls) > 1:
-        members = [RolloutClient(url, token=token, log=log) for url in urls]  # fail fast: the pool retries
-        client = ServerPool(members, lc.server_retry_s, lc.server_probe_s, log, lambda: stop.requested)
-        log(f"{len(urls)} rollout servers: {', '.join(urls)}")
-    else:
-        client = RolloutClient(
-            urls[0], token=token, retry_s=lc.server_retry_s, log=log, should_stop=lambda: stop.requested
-        )
-    health = client.wait_ready(cfg.learner.connect_timeout_s, log=log)
-    log(f"server ok: {health.backend} backend, {health.model}, serving v{health.policy_version}")
-    if health.group_size != cfg.sampling.group_size:
-        raise ServerError(
-            f"server samples group_size={health.group_size}, learner expects sampling.group_size="
-            f"{cfg.sampling.group_size}: start both from the same config"
-        )
-    return client
-
-
-def _write_summary(run: _Run, state: ckpt.State, digest_start: str | None) -> None:
-    """run_summary.json: where the run ended, and evidence that the base stayed frozen and that ZeRO-2
-    split the optimizer state (tests read both)."""
-    optimizer_numel = gather_objects(optimizer_state_numel(run.engine))  # a collective: every rank
-    if run.rank != 0:
-        return
-    summary = {
-        "step": state.step, "policy_version": state.version, "world_size": run.world,
-        "base_sha256_start": digest_start, "base_sha256_end": ckpt.base_digest(run.engine),
-        "optimizer_state_numel_per_rank": optimizer_numel,
-    }  # fmt: skip
-    with ckpt.writing(run.out, "run_summary.json"):
-        (run.out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
@@ -362,7 +204,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
 
     replay = cfg.learner.replay_file
     shares_gpu = cfg.learner.placement == "timeslice" and not on_cpu
-    client = _connect(cfg, log, stop) if lead and not replay else None
+    client = connect(cfg, log, stop) if lead and not replay else None
     try:  # from here on the server may be asleep for us: whatever stops us must not leave it so
         engine, offload = build_beside_server(
             client, cfg, shares_gpu, lambda: build_engine(cfg, model_path, world, on_cpu), log
@@ -377,7 +219,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
             ckpt.truncate_records(out, state.step, log)
             ckpt.save_config(cfg, out)
         if lead and not replay:
-            ckpt.sync_server(client, engine, state, out, log)
+            sync_server(client, engine, state, out, log)
         state = broadcast_object(state)  # sync_server may have moved the version on rank 0
         digest_start = ckpt.base_digest(engine) if lead else None
         sink = MetricsSink(out, cfg.learner.steps, enabled=lead)
@@ -393,7 +235,9 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
         raise
 
     sink.close()
-    _write_summary(run, state, digest_start)
+    optimizer_numel = gather_objects(optimizer_state_numel(run.engine))  # a collective: every rank
+    if lead:
+        ckpt.write_summary(out, engine, state, world, digest_start, optimizer_numel)
     served = f"server serves v{state.version}" if run.published else f"v{state.version} not yet published"
     log(f"done at step {state.step}; {served}" + (" (stopped by signal)" if stop.requested else ""))
     return 0

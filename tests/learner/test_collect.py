@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from learner.train import collect_groups
+from learner.servers import collect_groups
 from shared import protocol as P
 from shared.config import load_config
 
@@ -103,3 +103,16 @@ def test_a_lease_that_cannot_be_recorded_is_given_back(tmp_path):
     with pytest.raises(OutDirError):
         collect_groups(client, _cfg(), version=0, out=tmp_path)
     assert client.released == ["L1"]
+
+
+def test_the_step_gets_the_record_failure_as_a_value_it_can_pass_between_ranks(tmp_path):
+    import pickle
+
+    from learner.checkpoint import State
+    from learner.servers import collect_or_stop
+
+    client = ScriptedClient([_resp("L1", _group("good", 0, [1, 0]))])
+    (tmp_path / "inflight_leases.json.tmp").mkdir()  # the write of the record fails
+    pulled = collect_or_stop(client, _cfg(), State(), tmp_path, log=print)
+    assert pulled.groups == [] and "inflight_leases.json" in pulled.error and client.released == ["L1"]
+    assert pickle.loads(pickle.dumps(pulled)).error == pulled.error  # what broadcast_object does with it

@@ -12,6 +12,7 @@ from tests.helpers import REPO
 
 FAULTS = """
 import resource, torch
+import learner.train  # everything the learner has imported when it calls keep_freed_memory
 from learner.process import keep_freed_memory
 kept = keep_freed_memory(print) if {keep} else False
 for _ in range(3):  # the heap settles within a few steps' allocations
