@@ -1,4 +1,4 @@
-"""Checkpoints, the run's record files, and the start-up handshake with the server.
+"""Checkpoints and the run's record files (the start-up handshake with the server is in learner/servers.py).
 
 out_dir/
   adapters/v<N>/                 every published adapter (peft format), what the server was sent
