@@ -4,6 +4,7 @@ shared/protocol.py; any non-2xx answer raises ServerError with the server's mess
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 from typing import TypeVar
 
@@ -145,7 +146,9 @@ class RolloutClient:
     def pull(self, max_groups: int, wait_s: float) -> P.PullResponse:
         return self._post(
             "/v1/groups/pull",
-            P.PullRequest(max_groups=max_groups, wait_s=wait_s),
+            P.PullRequest(
+                max_groups=max_groups, wait_s=wait_s, request_id=uuid.uuid4().hex
+            ),  # same on retries
             P.PullResponse,
             timeout=wait_s + 60.0,
         )

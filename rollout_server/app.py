@@ -44,8 +44,8 @@ from rollout_server.guard import RequestGuard
 from rollout_server.metrics import ServerMetrics
 from rollout_server.openai_api import OpenAIError, OpenAIState, bounded
 from rollout_server.policy import Policy
-from rollout_server.producer import Producer, StateError, load_cursor, load_queue, save_queue
-from rollout_server.queue import LeaseError, LeaseQueue
+from rollout_server.producer import Producer, StateError, load_cursor, load_queue
+from rollout_server.queue import Journal, LeaseError, LeaseQueue
 from shared import protocol as P
 from shared.config import TandemConfig
 from shared.datasets import DatasetError, Problem, render
@@ -72,14 +72,26 @@ class Server:
             "allowed_targets": target_names(shapes),
             "shapes": shapes,
         }
-        self.policy = Policy(backend, self.store, lambda f: validate_folder(f, **self.adapter_checks))
+        self.policy = Policy(
+            backend,
+            self.store,
+            lambda f: validate_folder(f, **self.adapter_checks),
+            keep=cfg.server.keep_versions,
+            keep_every=cfg.learner.checkpoint_every,
+        )
         self.queue = LeaseQueue(cfg.server.queue_size, cfg.server.lease_s)
-        self.queue_file = state_dir / "queue.json"  # the queue of the last run, saved as it stopped
-        self.queue.restore(*load_queue(self.queue_file, cfg.model.name))
+        self.journal = Journal(state_dir / "queue.jsonl", cfg.model.name)
+        ready, leases, expired = self.journal.replay()
+        older = state_dir / "queue.json"  # what a server of an earlier release saved as it stopped
+        ready_then, leases_then = load_queue(older, cfg.model.name)
+        self.queue.restore([*ready_then, *ready], {**leases_then, **leases}, expired, self.journal.requests)
+        self.journal.compact(self.queue)
+        self.queue.journal = self.journal
+        older.unlink(missing_ok=True)
         if self.queue.depth or self.queue.leased:
             log.info(
                 "took back the last run's queue: %d groups waiting, %d leased (%s)",
-                self.queue.depth, self.queue.leased, self.queue_file,
+                self.queue.depth, self.queue.leased, self.journal.path,
             )  # fmt: skip
         self.metrics = ServerMetrics(self.queue, self.policy)
         self.events = EventLog(state_dir / "events.jsonl")
@@ -156,15 +168,16 @@ def create_app(
         app.state.server = server
         task = server.producer_task = asyncio.create_task(server.producer.run())
         task.add_done_callback(lambda t: _producer_done(server, t, on_fatal))
-        server.queue_file.unlink(missing_ok=True)  # in memory now: a crash from here on must not restore it
         log.info(
             "ready: serving policy v%d on %s:%d", server.policy.version, cfg.server.host, cfg.server.port
         )
         yield
         task.cancel()
         await server.producer.stop()
-        if saved := save_queue(server.queue_file, server.queue, cfg.model.name):
-            log.info("saved the queue's %d groups for the next start (%s)", saved, server.queue_file)
+        server.journal.compact(server.queue)
+        server.journal.close()
+        if kept := server.queue.depth + server.queue.leased:
+            log.info("the queue's %d groups wait in %s for the next start", kept, server.journal.path)
         await server.rewards.close()
         await server.backend.close()
 
@@ -277,7 +290,11 @@ async def pull(req: P.PullRequest, s: Server = Depends(srv)):
     # Asleep with nothing queued, no group can come before a wake: answer now rather than hold the
     # connection for wait_s.
     wait_s = 0.0 if s.producer.sleeping and s.queue.depth == 0 else req.wait_s
-    lease_id, groups = await s.queue.pull(req.max_groups, wait_s)
+    again = s.queue.answered(req.request_id) if req.request_id else None
+    if again is not None:
+        lease_id, groups = again
+        return P.PullResponse(lease_id=lease_id, lease_s=s.queue.lease_s if lease_id else 0.0, groups=groups)
+    lease_id, groups = await s.queue.pull(req.max_groups, wait_s, req.request_id)
     if lease_id:
         s.events.write("lease", lease_id=lease_id, group_ids=[g.group_id for g in groups])
     return P.PullResponse(lease_id=lease_id, lease_s=s.queue.lease_s if lease_id else 0.0, groups=groups)
@@ -531,6 +548,7 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
         )
     load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))
     load_queue(Path(cfg.server.state_dir) / "queue.json", cfg.model.name)
+    Journal(Path(cfg.server.state_dir) / "queue.jsonl", cfg.model.name).replay()
     log.info("%d %s problems (%s split%s); rewards: %s", len(problems), cfg.data.task, cfg.data.split,
              f", shard {shard[0]} of {shard[1]}" if shard[1] > 1 else "",
              ", ".join(cfg.reward.functions))  # fmt: skip

@@ -2,7 +2,9 @@
 
 Versions only move forward. A publish is checked and stored first, then loaded into the engine under
 its own name, and only then switched to; if any step fails the served version is unchanged. The version
-it replaces is unloaded as soon as no generation in flight still uses it.
+it replaces is unloaded as soon as no generation in flight still uses it. Stored versions beyond
+server.keep_versions are deleted (except every learner.checkpoint_every-th), so the disk does not grow by
+an adapter a step.
 """
 
 from __future__ import annotations
@@ -18,10 +20,18 @@ log = logging.getLogger("tandem.server")
 
 
 class Policy:
-    def __init__(self, backend: RolloutBackend, store: AdapterStore, check=lambda folder: None):
+    def __init__(
+        self,
+        backend: RolloutBackend,
+        store: AdapterStore,
+        check=lambda folder: None,
+        keep: int | None = None,
+        keep_every: int = 0,
+    ):
         self.backend = backend
         self.store = store
         self._check = check  # folder -> None, or AdapterRejected: the upload checks, for stored versions
+        self.keep, self.keep_every = keep, keep_every  # stored versions: the newest `keep`, every k-th
         self.served: Adapter | None = None  # None = the base model, version 0
         self._inflight: Counter[int] = Counter()
         self._retired: set[int] = set()  # replaced versions still loaded
@@ -57,8 +67,12 @@ class Policy:
             return self.served
         if version == 0:
             return None
-        if version > self.version or not self.store.path(version).is_dir():
+        if version > self.version:
             raise AdapterRejected(f"adapter version {version} was never published here", status=404)
+        if not self.store.path(version).is_dir():
+            kept = f"the newest {self.keep}" + (f" and every {self.keep_every}-th" if self.keep_every else "")
+            why = f"no longer stored here (server.keep_versions: {kept})"
+            raise AdapterRejected(f"adapter version {version} is {why}", status=404)
         return Adapter(version, str(self.store.path(version)))
 
     async def restore(self) -> None:
@@ -97,4 +111,16 @@ class Policy:
                 if not self._inflight[old.version]:
                     await self._unload(old)
             log.info("serving %s", adapter.name)
+            self._prune()
             return adapter
+
+    def _prune(self) -> None:
+        """Delete stored versions beyond the newest `keep`, except every `keep_every`-th and any still in
+        use (loaded, or generating)."""
+        if self.keep is None:
+            return
+        versions = self.store.versions()
+        kept = set(versions[-self.keep :]) | set(self._inflight) | self._retired | {self.version}
+        for v in versions:
+            if v not in kept and not (self.keep_every and v % self.keep_every == 0):
+                self.store.remove(v)

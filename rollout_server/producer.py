@@ -3,8 +3,8 @@ stamped with the policy version that produced them -> the lease queue.
 
 Production pauses while the queue is full and while asleep. A sleep cancels the batch in flight; its
 prompts are not counted as consumed, so they are generated again after the wake. The cursor (epoch,
-position) is saved after every batch, so a restarted server continues where it was; a server that stops
-saves its queue (groups waiting and leased) and takes it back when it starts again, so the prompts the
+position) is saved with every batch's groups in the queue's journal, so a restarted server, stopped or
+killed, continues where it was and takes back its queue (groups waiting and leased): the prompts the
 cursor has passed are trained on once, not skipped.
 """
 
@@ -25,7 +25,7 @@ from rollout_server import episodes
 from rollout_server.backend import GenerationAborted, RolloutBackend
 from rollout_server.events import EventLog
 from rollout_server.policy import Policy
-from rollout_server.queue import LeaseQueue
+from rollout_server.queue import LeaseQueue, StateError
 from shared.config import TandemConfig
 from shared.datasets import Problem, chat_prompt_ids, epoch_order
 from shared.protocol import Completion, ScoredGroup
@@ -38,10 +38,6 @@ log = logging.getLogger("tandem.server")
 class Cursor:
     epoch: int = 0
     position: int = 0
-
-
-class StateError(RuntimeError):
-    """A file in server.state_dir is damaged; the message names it and says what to do."""
 
 
 def _read_state(path: Path, fix: str) -> dict:
@@ -82,21 +78,10 @@ def load_cursor(path: Path, num_problems: int) -> Cursor:
     return Cursor(epoch, position)
 
 
-def save_queue(path: Path, queue: LeaseQueue, model: str) -> int:
-    """At shutdown: the groups in `queue`, waiting and leased, to `path` (none: no file). Returns how many."""
-    ready, leases = queue.contents()
-    n = len(ready) + queue.leased
-    if n:
-        dump = lambda groups: [g.model_dump(mode="json") for g in groups]  # noqa: E731
-        _write_state(
-            path, {"model": model, "ready": dump(ready), "leases": {k: dump(v) for k, v in leases.items()}}
-        )
-    return n
-
-
 def load_queue(path: Path, model: str) -> tuple[list[ScoredGroup], dict[str, list[ScoredGroup]]]:
-    """The groups save_queue left at `path`: those waiting, and the leased ones by lease id. Nothing when
-    there is no file, or when it was saved for another model (its token ids would mean other text)."""
+    """The groups an older server saved to `path` (queue.json) as it stopped: those waiting, and the leased
+    ones by lease id. Nothing when there is no file, or when it was saved for another model (its token ids
+    would mean other text). Servers now keep their queue in a journal (rollout_server/queue.py)."""
     if not path.is_file():
         return [], {}
     fix = "delete it to start with an empty queue (its groups' prompts then come round next epoch)"
@@ -135,6 +120,11 @@ class Producer:
         self.metrics = metrics
         self._cursor_file = state_dir / "cursor.json"
         self.cursor = load_cursor(self._cursor_file, len(problems))
+        # The queue's journal holds the cursor with the groups it put: newer when the server was killed
+        # between the two writes.
+        saved = queue.journal.cursor if queue.journal is not None else None
+        if saved and saved[2] == len(problems) and saved[:2] > (self.cursor.epoch, self.cursor.position):
+            self.cursor = Cursor(*saved[:2])
         self._awake = asyncio.Event()
         self._awake.set()
         self._batch: asyncio.Task | None = None
@@ -170,12 +160,12 @@ class Producer:
             pos += 1
         return out
 
-    def _advance(self, k: int) -> None:
-        c = self.cursor
-        c.position += k
-        while c.position >= len(self.problems):
-            c.epoch, c.position = c.epoch + 1, c.position - len(self.problems)
-        self._save_cursor()
+    def _advanced(self, k: int) -> Cursor:
+        """The cursor k problems on."""
+        epoch, position = self.cursor.epoch, self.cursor.position + k
+        while position >= len(self.problems):
+            epoch, position = epoch + 1, position - len(self.problems)
+        return Cursor(epoch, position)
 
     # -- sleep / wake --------------------------------------------------------------------------------
     @property
@@ -234,8 +224,11 @@ class Producer:
                 log.warning("generation batch aborted by the engine (%s); its prompts go again", error)
                 continue
             groups = self._batch.result()
-            await self.queue.put(groups)
-            self._advance(len(batch))
+            after = self._advanced(len(batch))
+            # on disk with the groups, in one line: a kill after it neither skips nor repeats their prompts
+            await self.queue.put(groups, cursor=(after.epoch, after.position, len(self.problems)))
+            self.cursor = after
+            self._save_cursor()
             for g in groups:
                 self.events.write("group", group_id=g.group_id, version=g.policy_version)
 

@@ -344,6 +344,14 @@ class ServerConfig(_Section):
         description="on SIGTERM: evaluation requests are cancelled at once, other requests get this long",
     )
     max_loras: int = Field(default=2, ge=1, description=">= max_staleness + 1 in split mode")
+    keep_versions: int | None = Field(
+        default=32,
+        ge=1,
+        description="published versions kept on disk (state_dir/adapters) for evaluation and the OpenAI "
+        "API: the newest this many, and every learner.checkpoint_every-th (those the learner keeps a "
+        "checkpoint of); older ones are deleted as new ones arrive. None keeps every version (a long "
+        "run then grows the disk by one adapter a step)",
+    )
     hf_merge_adapters: bool = Field(
         default=False,
         description="hf backend: serve each adapter version as a base copy with the adapter merged in "
@@ -548,7 +556,10 @@ class LearnerConfig(_Section):
         "never loses or repeats a group); every checkpoint_every-th one is kept for good",
     )
     keep_checkpoints: int = Field(
-        default=2, ge=1, description="the newest checkpoints kept besides the checkpoint_every-th ones"
+        default=2,
+        ge=1,
+        description="the newest checkpoints kept besides the checkpoint_every-th ones; the published "
+        "adapters in out_dir/adapters are kept the same way",
     )
     min_free_mb: float = Field(
         default=200.0, ge=0, description="refuse to start when learner.out_dir has less free space"

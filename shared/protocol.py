@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = "3"  # 3: a completion may be an episode of several turns (Completion.mask)
+PROTOCOL_VERSION = "4"  # 4: a pull carries the puller's request id (PullRequest.request_id)
 
 MAX_VERSION = 2**31 - 1  # versions are engine adapter ids (int32 in vLLM) and file names
 Version = Annotated[
@@ -116,6 +116,10 @@ class ScoredGroup(_Model):
 class PullRequest(_Model):
     max_groups: int = Field(ge=1, le=4096)
     wait_s: float = Field(default=0.0, ge=0.0, le=600.0, description="block up to this long for >= 1 group")
+    # The puller's own id for this pull, the same on each retry: a retried pull whose first answer was
+    # lost on the way (a reset connection, a timeout) gets the same lease back, not a second one that
+    # would hold its groups until the lease ran out.
+    request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
 
 
 class PullResponse(_Model):

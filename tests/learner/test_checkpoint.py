@@ -88,6 +88,15 @@ def test_prune_keeps_the_newest_and_every_kth_and_drops_partial_ones(tmp_path):
     assert left == ["step-10", "step-11", "step-5"]
 
 
+def test_published_adapters_are_kept_as_checkpoints_are(tmp_path):
+    """One adapter a step would grow out_dir by 7 MB a step (SmolLM2-135M, r = 16) for as long as the run."""
+    for v in range(1, 13):
+        (tmp_path / "adapters" / f"v{v}").mkdir(parents=True)
+    gone = ckpt.prune_adapters(tmp_path, newest=11, keep=2, every=5)
+    assert gone == [1, 2, 3, 4, 6, 7, 8, 9]  # v12, past the newest, is not this function's to judge
+    assert sorted(int(p.name[1:]) for p in (tmp_path / "adapters").iterdir()) == [5, 10, 11, 12]
+
+
 def test_truncate_records_cuts_steps_after_the_checkpoint_and_broken_lines(tmp_path):
     lines = [json.dumps({"step": s, "groups": []}) for s in (1, 2, 3)] + ['{"step": 4, "gro']
     (tmp_path / "groups.jsonl").write_text("\n".join(lines) + "\n")

@@ -11,7 +11,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from rollout_server.adapters import AdapterStore
+from rollout_server.adapters import AdapterRejected, AdapterStore
 from rollout_server.policy import Policy
 from shared import protocol as P
 from shared.datasets import chat_prompt_ids, epoch_order
@@ -157,6 +157,49 @@ def test_a_retired_version_is_unloaded_only_when_the_last_batch_using_it_ends(tm
         assert backend.unloaded == [1]
         await policy.publish(3, write)  # nothing uses v2: unloaded at once
         assert backend.unloaded == [1, 2] and backend.loaded == [1, 2, 3]
+
+    asyncio.run(scenario())
+
+
+def test_a_pull_retried_with_its_request_id_gets_the_same_lease(tmp_path):
+    with TestClient(fake_app(tmp_path, FakeBackend())) as c:
+        body = {"max_groups": 2, "wait_s": 10, "request_id": "learner-7f3a"}
+        first = c.post("/v1/groups/pull", json=body).json()
+        second = c.post("/v1/groups/pull", json=body).json()
+        assert second == first and len(first["groups"]) == 2
+        assert c.get("/health").json()["leased"] == 2
+        other = c.post("/v1/groups/pull", json={**body, "request_id": "learner-8b01"}).json()
+        assert other["lease_id"] != first["lease_id"]
+        bad = c.post("/v1/groups/pull", json={**body, "request_id": "../x y"})
+        assert bad.status_code == 422 and "request_id" in bad.text
+
+
+def test_stored_versions_are_kept_within_keep_versions_except_every_kth_and_those_in_use(tmp_path):
+    """The disk does not grow by an adapter a step: the newest `keep`, every `keep_every`-th, and any
+    version a batch still generates on stay; an evaluation of a deleted one gets a 404 that says why."""
+
+    async def scenario():
+        policy = Policy(FakeBackend(), AdapterStore(tmp_path / "adapters"), keep=3, keep_every=5)
+        files = tiny_adapter(tmp_path / "src")
+
+        def write(v):
+            return policy.store.write(
+                v, (files / P.ADAPTER_CONFIG_FILE).read_bytes(), (files / P.ADAPTER_WEIGHTS_FILE).read_bytes()
+            )
+
+        await policy.publish(1, write)
+        in_use = policy.acquire()  # a batch generating on v1 through everything below
+        for v in range(2, 13):
+            await policy.publish(v, write)
+        assert policy.store.versions() == [1, 5, 10, 11, 12]
+        await policy.release(in_use)
+        await policy.publish(13, write)
+        assert policy.store.versions() == [5, 10, 11, 12, 13]
+        assert policy.lookup(10).version == 10
+        with pytest.raises(AdapterRejected) as e:
+            policy.lookup(7)
+        assert e.value.status == 404
+        assert "no longer stored here (server.keep_versions: the newest 3 and every 5-th)" in str(e.value)
 
     asyncio.run(scenario())
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
@@ -225,28 +227,53 @@ def test_serve_exits_1_when_the_producer_dies_so_a_supervisor_restarts_it(tmp_pa
             signal.signal(s, h)
 
 
+def _full_queue(app, c) -> tuple[dict, list[str]]:
+    """A lease of 2 groups pulled, then the 6 the queue holds once the producer waits for space."""
+    lease = c.post("/v1/groups/pull", json={"max_groups": 2, "wait_s": 10}).json()
+    queue = app.state.server.queue
+    for _ in range(200):
+        if queue.depth == 6:
+            break
+        time.sleep(0.02)
+    return lease, [g.group_id for g in queue.contents()[0]]
+
+
+def _takes_back(state: Path, lease: dict, waiting: list[str]) -> None:
+    """A server started on `state` serves the `waiting` groups first, in order, the lease still acks, and
+    its cursor is past every prompt it took back (its next batch makes new prompts)."""
+    backend = FakeBackend(release=asyncio.Event())  # makes no new group: its first batch never ends
+    app = fake_app(state.parent, backend, queue_size=6)
+    with TestClient(app) as c:
+        got = c.post("/v1/groups/pull", json={"max_groups": 10, "wait_s": 0}).json()["groups"]
+        assert [g["group_id"] for g in got] == waiting
+        assert c.post("/v1/groups/ack", json={"lease_id": lease["lease_id"]}).json() == {"acked": 2}
+        cursor = app.state.server.producer.cursor
+        assert (cursor.epoch, cursor.position) == (0, 8)  # 4 batches of 2 prompts made before the stop
+
+
 def test_a_restarted_server_takes_back_its_queue_and_its_learner_s_lease(tmp_path, monkeypatch):
     """Groups the cursor has passed are not lost with a stop: the next start serves the waiting ones first,
     in order, and the learner's lease from before still acks."""
     monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
     app = fake_app(tmp_path, FakeBackend(), queue_size=6)
     with TestClient(app) as c:
-        lease = c.post("/v1/groups/pull", json={"max_groups": 2, "wait_s": 10}).json()
-        queue = app.state.server.queue
-        for _ in range(200):
-            if queue.depth == 6:
-                break
-            time.sleep(0.02)
-        waiting = [g.group_id for g in queue.contents()[0]]
-    saved = tmp_path / "state" / "queue.json"
-    assert len(waiting) == 6 and saved.is_file()
+        lease, waiting = _full_queue(app, c)
+    assert len(waiting) == 6
+    _takes_back(tmp_path / "state", lease, waiting)
 
-    backend = FakeBackend(release=asyncio.Event())  # makes no new group: its first batch never ends
-    with TestClient(fake_app(tmp_path, backend, queue_size=6)) as c:
-        assert not saved.exists()  # taken back: a crash from now on must not bring it back again
-        got = c.post("/v1/groups/pull", json={"max_groups": 10, "wait_s": 0}).json()["groups"]
-        assert [g["group_id"] for g in got] == waiting
-        assert c.post("/v1/groups/ack", json={"lease_id": lease["lease_id"]}).json() == {"acked": 2}
+
+def test_a_server_killed_outright_takes_back_its_queue_and_its_cursor(tmp_path, monkeypatch):
+    """SIGKILL, the OOM killer: no shutdown runs, so nothing can be saved then. The queue's journal is on
+    disk as the queue changes; a copy of the state folder taken while the server runs is what a kill
+    leaves. Before the journal, a killed server lost its queue and skipped those prompts for the epoch."""
+    monkeypatch.delenv("TANDEM_API_TOKEN", raising=False)
+    app = fake_app(tmp_path, FakeBackend(), queue_size=6)
+    killed = tmp_path / "killed" / "state"
+    with TestClient(app) as c:
+        lease, waiting = _full_queue(app, c)
+        shutil.copytree(tmp_path / "state", killed)  # the server still runs: no shutdown has saved anything
+    assert len(waiting) == 6
+    _takes_back(killed, lease, waiting)
 
 
 def test_a_saved_queue_of_another_model_is_dropped_and_a_damaged_one_named(tmp_path, caplog):

@@ -140,3 +140,117 @@ def test_a_queue_given_back_after_a_restart_keeps_its_order_and_its_leases():
         assert [g.group_id for g in got] == ["g2", "g3", "g4", "g9"]  # nothing came back twice
 
     run(body())
+
+
+# -- the journal: the queue on disk as it changes ----------------------------------------------------------
+def _ids(ready, leases, expired):
+    return [g.group_id for g in ready], {k: [g.group_id for g in v] for k, v in leases.items()}, dict(expired)
+
+
+def test_the_journal_replays_to_the_queue_after_any_sequence_of_changes(tmp_path):
+    """Puts, pulls, acks, releases, expiries and late acks in a seeded random order, with compaction on the
+    way: after each change, a queue rebuilt from the file alone (what a killed server has) is the queue."""
+    import random
+
+    from rollout_server.queue import Journal
+
+    async def body():
+        rng, clock, n = random.Random(0), Clock(), 0
+        q = LeaseQueue(capacity=6, lease_s=5.0, clock=clock)
+        q.journal = Journal(tmp_path / "queue.jsonl", "m")
+        q.journal.compact(q)  # as the server does at start-up
+        compactions = 0
+        for i in range(1500):
+            op = rng.choice(["put", "pull", "ack", "release", "tick", "late_ack"])
+            if op == "put" and q.space() > 0:
+                await q.put([_group(n + k) for k in range(2)], cursor=(0, n + 2, 1000))
+                n += 2
+            elif op == "pull":
+                await q.pull(rng.randint(1, 3), wait_s=0)
+            elif op in ("ack", "release") and q._leases:
+                lease = rng.choice(list(q._leases))
+                await (q.ack(lease) if op == "ack" else q.release(lease))
+            elif op == "late_ack" and q._expired:
+                with _maybe_conflict():
+                    await q.ack(rng.choice(list(q._expired)))
+            elif op == "tick":
+                clock.t += rng.uniform(0, 4)
+                q.expire()
+            lines = (tmp_path / "queue.jsonl").read_text().count("\n")
+            compactions += lines < getattr(q, "_last_lines", 0)
+            q._last_lines = lines
+            now = _ids(*q.contents(), q._expired)  # contents() expires what is due: a change too
+            replayed = Journal(tmp_path / "queue.jsonl", "m")
+            assert _ids(*replayed.replay()) == now, f"after change {i} ({op})"
+            assert replayed.cursor == ((0, n, 1000) if n else None)
+        assert compactions >= 3  # and the file stays small: 64 lines + 8 per group held
+        assert lines <= 64 + 8 * 12 + 1
+
+    run(body())
+
+
+class _maybe_conflict:
+    """A late ack either works or is refused with 409 (its groups were handed out again)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        return kind is LeaseError and exc.status == 409
+
+
+def test_a_journal_cut_short_by_a_kill_loses_only_the_change_being_written(tmp_path, caplog):
+    from rollout_server.producer import StateError
+    from rollout_server.queue import Journal
+
+    async def body():
+        q = LeaseQueue(capacity=6, lease_s=5.0)
+        q.journal = Journal(tmp_path / "queue.jsonl", "m")
+        q.journal.compact(q)
+        await q.put([_group(0), _group(1)], cursor=(0, 2, 10))
+        await q.put([_group(2)], cursor=(0, 3, 10))
+
+    run(body())
+    path = tmp_path / "queue.jsonl"
+    whole = path.read_text()
+    path.write_text(whole[:-20])  # the last put, half written: neither its group nor its cursor
+    journal = Journal(path, "m")
+    ready, leases, expired = journal.replay()
+    assert [g.group_id for g in ready] == ["g0", "g1"] and journal.cursor == (0, 2, 10)
+
+    lines = whole.splitlines()
+    path.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
+    with pytest.raises(StateError) as e:
+        Journal(path, "m").replay()
+    assert str(e.value).startswith(f"{path}, line 2: not JSON") and "delete it to start with an empty" in str(
+        e.value
+    )
+
+    path.write_text(whole)
+    assert Journal(path, "other-model").replay() == ([], {}, {})
+    assert "holds groups of model 'm', not 'other-model'; dropped" in caplog.text
+
+
+def test_a_retried_pull_gets_its_lease_again_also_after_a_restart(tmp_path):
+    """A pull whose answer is lost on the way (a reset connection) is retried with the same request id:
+    it must get the same lease, not a second one holding more groups until lease_s runs out (the soak
+    found 2 groups held so at its end)."""
+    from rollout_server.queue import Journal
+
+    async def body():
+        q = LeaseQueue(capacity=10, lease_s=5.0)
+        q.journal = Journal(tmp_path / "queue.jsonl", "m")
+        await q.put([_group(i) for i in range(4)])
+        assert q.answered("r1") is None  # a new request
+        lease, groups = await q.pull(2, wait_s=0, request_id="r1")
+        assert q.answered("r1") == (lease, groups) and q.leased == 2 and q.depth == 2
+
+        # the server restarts: the lease and the request that got it come back from the journal
+        again = LeaseQueue(capacity=10, lease_s=5.0)
+        journal = Journal(tmp_path / "queue.jsonl", "m")
+        again.restore(*journal.replay(), journal.requests)
+        assert again.answered("r1") == (lease, groups)
+        await again.ack(lease)
+        assert again.answered("r1") == (None, [])  # settled since: nothing, not someone else's groups
+
+    run(body())
