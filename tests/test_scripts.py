@@ -48,6 +48,7 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
         "demo.py",
         "demo_matrix.py",
         "sampling_check.py",
+        "soak.py",
     ],
 )
 def test_benchmark_help(script):
