@@ -30,12 +30,13 @@ class Interrupted(RuntimeError):
     """A stop was requested (SIGTERM) while waiting for an unreachable server."""
 
 
-# Answers that mean "not there right now" rather than "no": a proxy in front of a restarting server.
-_TRANSIENT_STATUS = (502, 504)
+# Answers that mean "not there right now" rather than "no": a proxy in front of a restarting server, and
+# the server's own 503 (shutting down, or its engine failed: either way it is being restarted).
+_TRANSIENT_STATUS = (502, 503, 504)
 
 
 class RolloutClient:
-    """`retry_s` > 0: a request the server cannot take (connection refused or reset, timeout, 502/504)
+    """`retry_s` > 0: a request the server cannot take (connection refused or reset, timeout, 502-504)
     is retried with exponential backoff for up to `retry_s` seconds, each failure logged, before
     ServerUnavailable is raised; `should_stop` (polled between tries) ends the wait early with
     Interrupted. 4xx answers are never retried. `retry_s` = 0 (the default) fails at once."""
@@ -143,21 +144,21 @@ class RolloutClient:
             )
         return health
 
-    def pull(self, max_groups: int, wait_s: float) -> P.PullResponse:
-        return self._post(
-            "/v1/groups/pull",
-            P.PullRequest(
-                max_groups=max_groups, wait_s=wait_s, request_id=uuid.uuid4().hex
-            ),  # same on retries
-            P.PullResponse,
-            timeout=wait_s + 60.0,
-        )
+    def pull(self, max_groups: int, wait_s: float, request_id: str | None = None) -> P.PullResponse:
+        """`request_id` (default: a new one) is sent again on each retry: a retry whose first answer was lost
+        gets the same lease back."""
+        body = P.PullRequest(max_groups=max_groups, wait_s=wait_s, request_id=request_id or uuid.uuid4().hex)
+        return self._post("/v1/groups/pull", body, P.PullResponse, timeout=wait_s + 60.0)
 
     def ack(self, lease_id: str) -> P.AckResponse:
         return self._post("/v1/groups/ack", P.AckRequest(lease_id=lease_id), P.AckResponse)
 
     def release(self, lease_id: str) -> P.ReleaseResponse:
         return self._post("/v1/groups/release", P.ReleaseRequest(lease_id=lease_id), P.ReleaseResponse)
+
+    def release_pull(self, request_id: str) -> P.ReleaseResponse:
+        """Release whatever lease a pull of `request_id` got (0 groups when it got none)."""
+        return self._post("/v1/groups/release", P.ReleaseRequest(request_id=request_id), P.ReleaseResponse)
 
     def publish(self, version: int, folder: str | Path) -> P.AdapterPublished:
         """Upload adapter_config.json + adapter_model.safetensors: no shared filesystem needed."""

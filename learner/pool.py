@@ -158,7 +158,7 @@ class ServerPool:
                 )
             time.sleep(1.0)
 
-    def pull(self, max_groups: int, wait_s: float) -> P.PullResponse:
+    def pull(self, max_groups: int, wait_s: float, request_id: str | None = None) -> P.PullResponse:
         deadline = time.monotonic() + wait_s
         while True:
             members = self.live()
@@ -168,7 +168,7 @@ class ServerPool:
                 last = time.monotonic() >= deadline
                 # first round: no waiting; then a short wait on one server at a time, in turn
                 wait = 0.0 if i < len(order) - 1 or last else min(1.0, max(0.0, deadline - time.monotonic()))
-                resp = self._call(m, lambda c, w=wait: c.pull(max_groups, w))
+                resp = self._call(m, lambda c, w=wait: c.pull(max_groups, w, request_id))
                 if resp is not None and resp.groups:
                     m.groups += len(resp.groups)
                     return resp.model_copy(update={"lease_id": f"{m.index}{SEP}{resp.lease_id}"})
@@ -194,6 +194,11 @@ class ServerPool:
         m, inner = self._member(lease_id)
         resp = self._call(m, lambda c: c.release(inner)) if m.up else None
         return resp if resp is not None else P.ReleaseResponse(released=0)
+
+    def release_pull(self, request_id: str) -> P.ReleaseResponse:
+        """On every server up: the lease a pull of `request_id` got there (one id per pull, all servers)."""
+        got = [self._call(m, lambda c: c.release_pull(request_id)) for m in self.members if m.up]
+        return P.ReleaseResponse(released=sum(r.released for r in got if r is not None))
 
     def publish(self, version: int, folder: str | Path) -> P.AdapterPublished:
         self._published = (version, Path(folder))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +48,11 @@ def collect_groups(
             take = need - len(pulled.groups)
             pulled.groups, spare = pulled.groups + spare[:take], spare[take:]
             continue
-        resp = client.pull(need - len(pulled.groups), wait_s=lc.pull_wait_s)
+        # The pull's id is on disk before it is sent: killed between the server's answer and the record of
+        # its lease id below, the learner's successor can still release that lease (sync_server).
+        request_id = uuid.uuid4().hex
+        _record(client, out, [*pulled.lease_ids, PULLING + request_id], pulled.lease_ids)
+        resp = client.pull(need - len(pulled.groups), wait_s=lc.pull_wait_s, request_id=request_id)
         rounds += 1
         kept = 0
         for g in resp.groups:
@@ -63,17 +68,28 @@ def collect_groups(
                     continue
             pulled.groups.append(g)
         if resp.lease_id and kept:
-            try:
-                ckpt.write_inflight(out, [*pulled.lease_ids, resp.lease_id])
-            except ckpt.OutDirError:
-                release(client, [*pulled.lease_ids, resp.lease_id])
-                raise
+            _record(client, out, [*pulled.lease_ids, resp.lease_id], [*pulled.lease_ids, resp.lease_id])
             pulled.lease_ids.append(resp.lease_id)
-        elif resp.lease_id:  # only stale groups: done with them now, before the lease can run out
-            ack(client, resp.lease_id)
+        else:
+            if resp.lease_id:  # only stale groups: done with them now, before the lease can run out
+                ack(client, resp.lease_id)
+            _record(client, out, pulled.lease_ids, pulled.lease_ids)
     pulled.dropped_degenerate = len(spare)
     pulled.seconds = time.perf_counter() - t0
     return pulled
+
+
+PULLING = "pull:"  # in inflight_leases.json: a pull sent, its lease id not yet known
+
+
+def _record(client: RolloutClient, out: Path, inflight: list[str], held: list[str]) -> None:
+    """inflight_leases.json := `inflight`; if out_dir cannot take it, the leases `held` are given back
+    and the error raised."""
+    try:
+        ckpt.write_inflight(out, inflight)
+    except ckpt.OutDirError:
+        release(client, held)
+        raise
 
 
 def ack(client: RolloutClient, lease_id: str) -> None:
@@ -140,7 +156,10 @@ def _settle_leases(client: RolloutClient, state: ckpt.State, out: Path, log) -> 
     for lease_id in dict.fromkeys([*state.pending_leases, *ckpt.read_inflight(out)]):
         trained = lease_id in state.pending_leases
         try:
-            if trained:
+            if lease_id.startswith(PULLING):
+                if n := client.release_pull(lease_id.removeprefix(PULLING)).released:
+                    log(f"released {n} group(s) a pull got just before the restart, never recorded")
+            elif trained:
                 client.ack(lease_id)
             else:
                 n = client.release(lease_id).released

@@ -12,6 +12,7 @@ SIGTERM cancels evaluation requests in flight (503) and stops within server.shut
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -309,8 +310,11 @@ async def ack(req: P.AckRequest, s: Server = Depends(srv)):
 
 @router.post("/v1/groups/release", response_model=P.ReleaseResponse)
 async def release(req: P.ReleaseRequest, s: Server = Depends(srv)):
-    released = await s.queue.release(req.lease_id)
-    s.events.write("release", lease_id=req.lease_id, released=released)
+    lease_id = req.lease_id if req.request_id is None else s.queue.lease_of(req.request_id)
+    if lease_id is None:  # that pull got no lease, or it was settled since
+        return P.ReleaseResponse(released=0)
+    released = await s.queue.release(lease_id)
+    s.events.write("release", lease_id=lease_id, released=released)
     return P.ReleaseResponse(released=released)
 
 
@@ -360,7 +364,8 @@ async def _publish(
         t["stored"] = time.perf_counter()
         return path
 
-    adapter = await s.policy.publish(version, store)
+    async with _engine(s):
+        adapter = await s.policy.publish(version, store)
     t["loaded"] = time.perf_counter()
     phases = {
         "receive": t["start"] - arrived if arrived is not None else 0.0,
@@ -376,17 +381,32 @@ async def _publish(
     return P.AdapterPublished(version=adapter.version, name=adapter.name)
 
 
+@contextlib.asynccontextmanager
+async def _engine(s: Server):
+    """An engine call from a route: once SIGTERM has come, the engine refuses work ("Server shutting
+    down"), and that is a 503 to retry against the restarted server, not a 500 with a traceback (the soak
+    stopped a learner so: it took the 500 for an answer)."""
+    try:
+        yield
+    except Exception:
+        if not s.shutting_down:
+            raise
+        raise HTTPException(503, "the server is shutting down; retry when it is back") from None
+
+
 @router.post("/v1/sleep", response_model=P.SleepState)
 async def sleep(s: Server = Depends(srv)):
     if not s.producer.sleeping:
-        await s.producer.sleep()
+        async with _engine(s):
+            await s.producer.sleep()
     return P.SleepState(sleeping=True)
 
 
 @router.post("/v1/wake", response_model=P.SleepState)
 async def wake(s: Server = Depends(srv)):
     if s.producer.sleeping:
-        await s.producer.wake()
+        async with _engine(s):
+            await s.producer.wake()
     return P.SleepState(sleeping=False)
 
 

@@ -127,6 +127,12 @@ class LeaseQueue:
         self.closed = True
 
     # -- learner side --------------------------------------------------------------------------------
+    def lease_of(self, request_id: str) -> str | None:
+        """The lease a pull of `request_id` got, while it is held."""
+        self.expire()
+        lease_id = self._requests.get(request_id)
+        return lease_id if lease_id in self._leases else None
+
     def answered(self, request_id: str) -> tuple[str | None, list[ScoredGroup]] | None:
         """What a pull of `request_id` got, if one was answered: a retry whose answer was lost on the way
         (a reset connection, a timeout) gets the same lease again, or nothing when that lease was settled

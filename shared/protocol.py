@@ -138,9 +138,18 @@ class AckResponse(_Model):
 
 
 class ReleaseRequest(_Model):
-    """Give a lease back untrained: its groups return to the front of the queue now, not at expiry."""
+    """Give a lease back untrained: its groups return to the front of the queue now, not at expiry. By
+    `request_id` instead: the lease a pull of that id was answered with, if it is still held (a learner
+    killed between the server's answer and its record of the lease id releases it so at its restart)."""
 
-    lease_id: str = Field(min_length=1)
+    lease_id: str | None = Field(default=None, min_length=1)
+    request_id: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+
+    @model_validator(mode="after")
+    def _one(self) -> ReleaseRequest:
+        if (self.lease_id is None) == (self.request_id is None):
+            raise ValueError("give either lease_id or request_id")
+        return self
 
 
 class ReleaseResponse(_Model):

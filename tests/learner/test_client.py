@@ -1,4 +1,4 @@
-"""The learner's client against a scripted transport: what is retried (connection failures, 502/504),
+"""The learner's client against a scripted transport: what is retried (connection failures, 502-504),
 what is not (4xx), how long, and how a stop request ends the wait. A fake clock: no real sleeping."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_without_retry_a_dead_server_fails_at_once(clock):
 
 def test_retries_with_backoff_until_the_server_is_back(clock):
     c, logs, seen = scripted(
-        [httpx.ConnectError, httpx.ReadError, (502, "bad gateway"), httpx.ConnectError, (200, HEALTH)],
+        [httpx.ConnectError, httpx.ReadError, (502, "bad gateway"), (503, "shutting down"), (200, HEALTH)],
         retry_s=600,
     )
     assert c.health().policy_version == 3

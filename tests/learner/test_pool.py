@@ -22,6 +22,7 @@ class FakeServer:
         self.queue = [_group(f"{name}-{i}", version, [1.0, 0.0]) for i in range(groups)]
         self.version, self.sleeping, self.down = version, False, False
         self.leases: dict[str, list] = {}
+        self.requests: dict[str | None, str] = {}  # request id -> lease
         self.acked, self.released, self.published, self.calls = [], [], [], []
 
     def _check(self, what: str):
@@ -38,13 +39,14 @@ class FakeServer:
         return P.Health(backend="fake", model="m", policy_version=self.version, sleeping=self.sleeping,
                         group_size=2, queue_depth=len(self.queue), leased=0)  # fmt: skip
 
-    def pull(self, max_groups, wait_s):
+    def pull(self, max_groups, wait_s, request_id=None):
         self._check("pull")
         if not self.queue:
             return P.PullResponse(lease_id=None, lease_s=0.0, groups=[])
         got, self.queue = self.queue[:max_groups], self.queue[max_groups:]
         lease = f"L{len(self.leases)}"
         self.leases[lease] = got
+        self.requests[request_id] = lease
         return P.PullResponse(lease_id=lease, lease_s=60.0, groups=got)
 
     def ack(self, lease_id):
@@ -56,6 +58,12 @@ class FakeServer:
         self._check("release")
         self.released.append(lease_id)
         return P.ReleaseResponse(released=1)
+
+    def release_pull(self, request_id):
+        self._check("release")
+        lease = self.requests.pop(request_id, None)
+        self.released += [lease] if lease else []
+        return P.ReleaseResponse(released=len(self.leases.get(lease, [])))
 
     def publish(self, version, folder):
         self._check("publish")
@@ -101,7 +109,11 @@ def test_pulls_come_from_every_server_and_leases_go_back_to_their_own():
     assert time.monotonic() - t < 0.5
     pool.release(leases[0].lease_id)
     assert (a.released or b.released) == ["L0"]
-    assert pool.metrics()["server/0/groups"] + pool.metrics()["server/1/groups"] == 7
+    # a pull's lease found by the pull's id, whichever server answered it (the others have none)
+    a.queue.append(_group("a-9", 0, [1.0, 0.0]))
+    got = pool.pull(1, wait_s=0.1, request_id="r9")
+    assert pool.release_pull("r9").released == 1 and got.lease_id.endswith(a.released[-1])
+    assert pool.metrics()["server/0/groups"] + pool.metrics()["server/1/groups"] == 8
 
 
 def test_a_dead_server_is_skipped_and_brought_to_the_current_version_when_back():

@@ -161,6 +161,23 @@ def test_a_retired_version_is_unloaded_only_when_the_last_batch_using_it_ends(tm
     asyncio.run(scenario())
 
 
+def test_an_engine_call_refused_for_a_shutdown_is_a_503_to_retry_not_a_500(tmp_path):
+    """The soak sent POST /v1/sleep as the server took SIGTERM: vLLM refused ("Server shutting down"),
+    the route answered 500 and the learner stopped for good."""
+    backend = FakeBackend()
+
+    async def refused(*args, **kwargs):
+        raise Exception("Server shutting down")
+
+    with TestClient(fake_app(tmp_path, backend), raise_server_exceptions=False) as c:
+        backend.sleep = backend.wake = refused
+        c.app.state.server.shutting_down = True
+        r = c.post("/v1/sleep")
+        assert r.status_code == 503 and "shutting down" in r.json()["detail"]
+        c.app.state.server.shutting_down = False
+        assert c.post("/v1/wake").status_code == 500  # not shutting down: a real failure stays one
+
+
 def test_a_pull_retried_with_its_request_id_gets_the_same_lease(tmp_path):
     with TestClient(fake_app(tmp_path, FakeBackend())) as c:
         body = {"max_groups": 2, "wait_s": 10, "request_id": "learner-7f3a"}
@@ -172,6 +189,14 @@ def test_a_pull_retried_with_its_request_id_gets_the_same_lease(tmp_path):
         assert other["lease_id"] != first["lease_id"]
         bad = c.post("/v1/groups/pull", json={**body, "request_id": "../x y"})
         assert bad.status_code == 422 and "request_id" in bad.text
+
+        # released by the pull's id (its learner was killed before it recorded the lease id): once
+        assert c.post("/v1/groups/release", json={"request_id": "learner-7f3a"}).json() == {"released": 2}
+        assert c.post("/v1/groups/release", json={"request_id": "learner-7f3a"}).json() == {"released": 0}
+        assert c.post("/v1/groups/release", json={"request_id": "never-sent"}).json() == {"released": 0}
+        assert c.get("/health").json()["leased"] == 2  # the other pull's
+        both = c.post("/v1/groups/release", json={"request_id": "a", "lease_id": other["lease_id"]})
+        assert both.status_code == 422 and "either lease_id or request_id" in both.text
 
 
 def test_stored_versions_are_kept_within_keep_versions_except_every_kth_and_those_in_use(tmp_path):
