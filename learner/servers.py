@@ -10,14 +10,36 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from learner import checkpoint as ckpt
 from learner.batch import is_degenerate, is_stale
 from learner.client import Interrupted, RolloutClient, ServerError
 from learner.pool import ServerPool
 from learner.process import Stop
+from shared import protocol as P
 from shared.config import TandemConfig
 from shared.protocol import ScoredGroup
+
+
+class Servers(Protocol):
+    """What the learner asks of its rollout servers: one (learner.client.RolloutClient) or several behind
+    one face (learner.pool.ServerPool). Each answers as the server's routes do; `retry_s` is how long an
+    unreachable server is waited for (0: fail at once)."""
+
+    retry_s: float
+
+    def wait_ready(self, timeout_s: float, log=print) -> P.Health: ...
+    def health(self) -> P.Health: ...
+    def pull(self, max_groups: int, wait_s: float, request_id: str | None = None) -> P.PullResponse: ...
+    def ack(self, lease_id: str) -> P.AckResponse: ...
+    def release(self, lease_id: str) -> P.ReleaseResponse: ...
+    def release_pull(self, request_id: str) -> P.ReleaseResponse: ...
+    def publish(self, version: int, folder: str | Path) -> P.AdapterPublished: ...
+    def sleep(self) -> P.SleepState: ...
+    def wake(self) -> P.SleepState: ...
+    def metrics(self) -> dict[str, float]: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -33,7 +55,7 @@ class Pulled:
 
 
 def collect_groups(
-    client: RolloutClient, cfg: TandemConfig, version: int, out: Path, floor_version: int = 0
+    client: Servers, cfg: TandemConfig, version: int, out: Path, floor_version: int = 0
 ) -> Pulled:
     """B usable groups. Stale ones are dropped; with dynamic sampling degenerate ones too, pulling more
     for up to max_pull_rounds, after which degenerate groups fill what is missing (they still carry
@@ -82,7 +104,7 @@ def collect_groups(
 PULLING = "pull:"  # in inflight_leases.json: a pull sent, its lease id not yet known
 
 
-def _record(client: RolloutClient, out: Path, inflight: list[str], held: list[str]) -> None:
+def _record(client: Servers, out: Path, inflight: list[str], held: list[str]) -> None:
     """inflight_leases.json := `inflight`; if out_dir cannot take it, the leases `held` are given back
     and the error raised."""
     try:
@@ -92,7 +114,7 @@ def _record(client: RolloutClient, out: Path, inflight: list[str], held: list[st
         raise
 
 
-def ack(client: RolloutClient, lease_id: str) -> None:
+def ack(client: Servers, lease_id: str) -> None:
     """Ack a lease. One that expired and whose groups went out again is reported, not fatal: the groups
     were trained on here, and stopping would not undo the other copy (raise server.lease_s)."""
     try:
@@ -103,7 +125,7 @@ def ack(client: RolloutClient, lease_id: str) -> None:
         print(f"[learner] WARNING: {e}", flush=True)
 
 
-def release(client: RolloutClient, lease_ids: list[str]) -> None:
+def release(client: Servers, lease_ids: list[str]) -> None:
     """Give leases back untrained (their groups go to the front of the queue), as far as the server
     can be reached: what it cannot take back returns by itself after server.lease_s."""
     retry, client.retry_s = client.retry_s, 0.0  # on the way out: no waiting for a server that is gone
@@ -115,7 +137,7 @@ def release(client: RolloutClient, lease_ids: list[str]) -> None:
         client.retry_s = retry
 
 
-def collect_or_stop(client: RolloutClient, cfg: TandemConfig, state: ckpt.State, out: Path, log):
+def collect_or_stop(client: Servers, cfg: TandemConfig, state: ckpt.State, out: Path, log):
     """collect_groups; None when a stop is requested while the server cannot be reached; a Pulled with
     only `error` set when out_dir cannot record the leases (they were given back). Crosses ranks as is."""
     try:
@@ -127,7 +149,7 @@ def collect_or_stop(client: RolloutClient, cfg: TandemConfig, state: ckpt.State,
         return Pulled([], [], error=str(e))
 
 
-def connect(cfg: TandemConfig, log, stop: Stop) -> RolloutClient | ServerPool:
+def connect(cfg: TandemConfig, log, stop: Stop) -> Servers:
     """A client for the server (a pool for learner.server_urls), once one answers; its group size must be
     the learner's."""
     lc, token = cfg.learner, os.environ.get(cfg.learner.api_token_env) or None
@@ -150,7 +172,7 @@ def connect(cfg: TandemConfig, log, stop: Stop) -> RolloutClient | ServerPool:
     return client
 
 
-def _settle_leases(client: RolloutClient, state: ckpt.State, out: Path, log) -> None:
+def _settle_leases(client: Servers, state: ckpt.State, out: Path, log) -> None:
     """Ack what the checkpoint trained on; release what a killed predecessor pulled but never trained,
     so those groups are trained next (not whenever their lease would have expired)."""
     for lease_id in dict.fromkeys([*state.pending_leases, *ckpt.read_inflight(out)]):
@@ -171,7 +193,7 @@ def _settle_leases(client: RolloutClient, state: ckpt.State, out: Path, log) -> 
     ckpt.write_inflight(out, [])
 
 
-def sync_server(client: RolloutClient, engine, state: ckpt.State, out: Path, log) -> None:
+def sync_server(client: Servers, engine, state: ckpt.State, out: Path, log) -> None:
     """Settle leases left by a previous run, wake the server if it was left asleep, and make it serve
     exactly this learner's weights before training starts.
 

@@ -18,7 +18,7 @@ import torch
 
 from learner import checkpoint as ckpt
 from learner.batch import is_degenerate
-from learner.client import Interrupted, RolloutClient, ServerError
+from learner.client import Interrupted, ServerError
 from learner.engine import (
     broadcast_object,
     build_engine,
@@ -29,7 +29,7 @@ from learner.engine import (
 )
 from learner.metrics import MetricsSink
 from learner.process import Stop, crash_point, keep_freed_memory, pin_threads
-from learner.servers import Pulled, ack, collect_or_stop, connect, release, sync_server
+from learner.servers import Pulled, Servers, ack, collect_or_stop, connect, release, sync_server
 from learner.step import batch_metrics, train_step
 from shared.config import TandemConfig, check_batch_size
 
@@ -78,7 +78,7 @@ class _Run:
 
     cfg: TandemConfig
     engine: object
-    client: RolloutClient | None
+    client: Servers | None
     offload: bool  # frozen weights to host RAM while the server generates (time-sliced, one GPU)
     device: object
     out: Path

@@ -259,7 +259,7 @@ def run(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shared.net import free_port
+    from harness.net import free_port
 
     _, _, total_mib = _gpu_processes()
     args.total_bytes = total_mib * 2**20

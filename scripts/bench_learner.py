@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shared.net import free_port
+from harness.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -24,10 +24,11 @@ from pathlib import Path
 
 import httpx
 
+from harness.adapters import random_adapter
+from harness.net import free_port
+from harness.procs import start_server, tandem_env
 from learner.client import RolloutClient
-from shared.models import random_adapter, resolve_model
-from shared.net import free_port
-from shared.procs import start_server, tandem_env
+from shared.models import resolve_model
 
 QUESTION = "Liam has 13 cards. Liam gives away 8. How many cards does Liam have now?"
 

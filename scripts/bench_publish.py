@@ -23,10 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.adapters import random_adapter
+from harness.net import free_port
+from harness.procs import pull_until_version, start_server, tandem_env
 from learner.client import RolloutClient
-from shared.models import random_adapter, resolve_model
-from shared.net import free_port
-from shared.procs import pull_until_version, start_server, tandem_env
+from shared.models import resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,9 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.adapters import random_adapter
 from shared.config import load_config
 from shared.datasets import chat_prompt_ids, load_gsm8k
-from shared.models import random_adapter, resolve_model
+from shared.models import resolve_model
 
 CASES = {  # name: (backend, config overrides, with a version published)
     "vllm-base": ("vllm", ["server.vllm.adapter_mode=merge"], False),  # no LoRA layers: the bare engine

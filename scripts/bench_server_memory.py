@@ -22,11 +22,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness.adapters import random_adapter
+from harness.net import free_port
+from harness.procs import pull_until_version, start_server, tandem_env
 from learner.client import RolloutClient
 from shared.config import native_dtype
-from shared.models import random_adapter, resolve_model
-from shared.net import free_port
-from shared.procs import pull_until_version, start_server, tandem_env
+from shared.models import resolve_model
 
 
 def resident(pid: int) -> dict[str, float]:
@@ -47,7 +48,7 @@ def train(name: str, env: dict, steps: int, work: Path) -> list[tuple[int, dict[
     """The demo's run for `steps` steps; resident memory of the server's processes after every 5th."""
     import time
 
-    from shared.procs import Proc
+    from harness.procs import Proc
 
     port, token, out = free_port(), secrets.token_hex(8), work / f"train-{name}"
     cli = [

@@ -25,9 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from harness.net import free_port
+from harness.procs import start_server, tandem_env
 from shared.config import ConfigError, load_config, native_dtype
-from shared.net import free_port
-from shared.procs import start_server, tandem_env
 
 REPO = Path(__file__).resolve().parents[1]
 

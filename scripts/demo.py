@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+from harness.net import free_port
+from harness.procs import Proc, tandem_env, wait_healthy
 from learner.client import RolloutClient
 from learner.evaluate import evaluate
 from shared.config import load_config
-from shared.net import free_port
-from shared.procs import Proc, tandem_env, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,12 +21,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness.net import free_port
+from harness.procs import start_server, tandem_env
 from learner.client import RolloutClient
 from learner.evaluate import evaluate
 from shared.config import load_config
 from shared.models import resolve_model
-from shared.net import free_port
-from shared.procs import start_server, tandem_env
 
 REPO = Path(__file__).resolve().parents[1]
 

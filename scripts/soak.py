@@ -54,8 +54,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shared.net import free_port  # noqa: E402
-from shared.procs import Proc, tandem_env  # noqa: E402
+from harness.net import free_port  # noqa: E402
+from harness.procs import Proc, tandem_env  # noqa: E402
 
 KINDS = (
     "learner-kill",
@@ -339,7 +339,7 @@ class Soak:
 
     # -- the run ----------------------------------------------------------------------------------------
     def run(self) -> int:
-        from shared.procs import wait_healthy
+        from harness.procs import wait_healthy
 
         print(f"soak -> {self.out}\n{self.args.config}, {len(self.servers)} server(s), {self.args.placement}")
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
@@ -416,9 +416,9 @@ class Soak:
 
     def evaluate(self, folders: list[Path]) -> list[float]:
         """Held-out greedy accuracy of each adapter folder, on one fresh server (published as v1, v2...)."""
+        from harness.procs import start_server
         from learner.client import RolloutClient
         from learner.evaluate import evaluate
-        from shared.procs import start_server
 
         port, where = free_port(), self.out / "eval"
         missing = [str(f) for f in folders if not f.is_dir()]

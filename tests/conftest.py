@@ -28,7 +28,7 @@ def model_dir() -> str:
 
 @pytest.fixture
 def procs():
-    """Processes a test starts (shared.procs.Proc): each stopped when the test ends, however it ends."""
+    """Processes a test starts (harness.procs.Proc): each stopped when the test ends, however it ends."""
     started = []
     yield started
     for p in started:

@@ -6,11 +6,11 @@ import json
 import time
 from pathlib import Path
 
+from harness import procs
+from harness.adapters import random_adapter
+from harness.net import free_port  # noqa: F401 (tests import it from here)
+from harness.procs import Proc, tandem_env
 from learner.client import RolloutClient
-from shared import procs
-from shared.models import random_adapter
-from shared.net import free_port  # noqa: F401 (tests import it from here)
-from shared.procs import Proc, tandem_env
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"

@@ -106,3 +106,12 @@ def test_no_import_cycles():
         if m not in state:
             visit(m)
     assert "rollout_server.app" in graph and graph["rollout_server.app"]  # the graph is really built
+
+
+def test_the_product_imports_no_test_or_script_support():
+    """harness/ (starting processes, free ports, made-up adapters), tests/ and scripts/ serve the product;
+    it never imports them (a product module needing one of them has a test's concern in it)."""
+    for pkg in ("shared", "rollout_server", "learner"):
+        for f in _files(pkg):
+            support = _imports(f) & {"harness", "tests", "scripts"}
+            assert not support, (str(f.relative_to(REPO)), support)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.procs import Proc, wait_healthy
+from harness.procs import Proc, wait_healthy
 from tests.helpers import (
     SMALL_LEARNER,
     SMALL_RUN,

@@ -186,3 +186,20 @@ def test_a_server_back_during_a_publish_gets_that_version_once():
     pool.publish(2, "/tmp/v2")
     assert a.published == [1, 2] and b.published == [2]
     assert any("brought from v0 to v2" in line for line in logs)
+
+
+def test_the_single_client_and_the_pool_both_answer_everything_the_learner_asks():
+    """learner.servers.Servers is the one face the loop talks to: each method, with its parameters."""
+    import inspect
+
+    from learner.client import RolloutClient
+    from learner.servers import Servers
+
+    wanted = {n: inspect.signature(f) for n, f in vars(Servers).items() if not n.startswith("_")}
+    assert {"pull", "ack", "release", "release_pull", "publish", "sleep", "wake"} <= set(wanted)
+    for cls in (RolloutClient, ServerPool):
+        for name, sig in wanted.items():
+            have = inspect.signature(getattr(cls, name))
+            assert list(have.parameters) == list(sig.parameters), f"{cls.__name__}.{name}{have} is not {sig}"
+    pool, _ = _pool(FakeServer("a"))
+    assert isinstance(pool.retry_s, float) and isinstance(RolloutClient("http://x").retry_s, float)

@@ -197,8 +197,8 @@ def test_serve_exits_1_when_the_producer_dies_so_a_supervisor_restarts_it(tmp_pa
     import signal
 
     import rollout_server.app as app_module
+    from harness.net import free_port
     from rollout_server.app import serve
-    from shared.net import free_port
 
     async def fake_backend(cfg, model_path):
         return FakeBackend(fail_after=1)
