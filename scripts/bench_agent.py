@@ -14,8 +14,6 @@ runs/bench-agent/, the plot where --plot says (docs/benchmarks.md §10).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 
 import calculator  # noqa: E402  (examples/ is not a package)
+from demo import run_demo  # noqa: E402  (scripts/, this script's folder, is on the path)
 
 TASK = [
     "--data.task=custom",
@@ -75,15 +74,12 @@ def main() -> int:
     runs = {}
     for seed in [int(s) for s in args.seeds.split(",")]:
         run = out / f"seed{seed}"
-        cmd = [sys.executable, "scripts/demo.py", "--seed", str(seed), "--out", str(run)]
-        cmd += ["--steps", str(args.steps), "--eval-problems", str(args.eval_problems)]
+        cmd = ["--steps", str(args.steps), "--eval-problems", str(args.eval_problems)]
         cmd += [*TASK, f"--data.path={data}", *args.overrides, *extra]
         print(f"== seed {seed} -> {run}", flush=True)
-        if subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL).returncode != 0:
-            print(f"   failed: see {run}", flush=True)
+        if (done := run_demo(run, seed, cmd)) is None:
             continue
-        summary = json.loads((run / "summary.json").read_text())
-        metrics = [json.loads(x) for x in (run / "learner" / "metrics.jsonl").read_text().splitlines()]
+        summary, metrics = done
         runs[seed] = {
             "before": summary["held_out_accuracy_before"],
             "after": summary["held_out_accuracy_after"],

@@ -37,6 +37,20 @@ LARGER = [
 ]
 
 
+def run_demo(run: Path, seed: int, args: list[str]) -> tuple[dict, list[dict]] | None:
+    """This script as a child process into folder `run` (for scripts that run it per seed or setting, its
+    output kept quiet): its summary and metrics, or None (said) when it failed."""
+    import subprocess
+
+    cmd = [sys.executable, str(REPO / "scripts" / "demo.py"), "--seed", str(seed), "--out", str(run), *args]
+    if subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL).returncode != 0:
+        print(f"   failed: see {run}", flush=True)
+        return None
+    summary = json.loads((run / "summary.json").read_text())
+    metrics = [json.loads(x) for x in (run / "learner" / "metrics.jsonl").read_text().splitlines()]
+    return summary, metrics
+
+
 def demo_choices(dtype: str) -> list[str]:
     """bfloat16 where the CPU computes in it (model.dtype = auto), and the larger run only in bf16 (`dtype`:
     the precision the run resolves to)."""

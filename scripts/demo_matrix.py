@@ -11,10 +11,10 @@ prints one row per run, then the truncation curves. With the vLLM backend the co
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 from pathlib import Path
+
+from demo import run_demo  # scripts/, this script's folder, is on the path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,16 +31,13 @@ def main() -> int:
     for seed in [int(s) for s in args.seeds.split(",")]:
         for backend in args.backends.split(","):
             run = Path(args.out) / f"{backend}-seed{seed}"
-            cmd = [sys.executable, "scripts/demo.py", "--seed", str(seed), "--out", str(run)]
-            cmd += [f"--server.backend={backend}", *args.overrides, *extra]
+            cmd = [f"--server.backend={backend}", *args.overrides, *extra]
             if args.steps:
                 cmd += ["--steps", str(args.steps)]
             print(f"== {backend}, seed {seed} -> {run}", flush=True)
-            if subprocess.run(cmd, cwd=REPO, stdout=subprocess.DEVNULL).returncode != 0:
-                print(f"   failed: see {run}", flush=True)
+            if (done := run_demo(run, seed, cmd)) is None:
                 continue
-            summary = json.loads((run / "summary.json").read_text())
-            metrics = [json.loads(x) for x in (run / "learner" / "metrics.jsonl").read_text().splitlines()]
+            summary, metrics = done
             rows.append((backend, seed, summary, [m["completion/truncated"] for m in metrics]))
             gain = 100 * (summary["held_out_accuracy_after"] - summary["held_out_accuracy_before"])
             print(f"   {gain:+.0f} points in {summary['wall_clock_s'] / 60:.1f} min", flush=True)
