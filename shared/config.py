@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# The environment variable that carries the bearer token, unless server/learner.api_token_env name another.
+# The environment variable that carries the bearer token (both processes), unless server.api_token_env
+# names another.
 TOKEN_ENV = "TANDEM_API_TOKEN"
 
 
@@ -291,8 +292,8 @@ class ServerConfig(_Section):
     port: int = Field(default=8000, ge=1, le=65535, description="the port the server listens on")
     api_token_env: str = Field(
         default=TOKEN_ENV,
-        description="environment variable holding the bearer token for mutating endpoints "
-        "(unset or empty = no auth)",
+        description="environment variable holding the bearer token for mutating endpoints (unset or empty "
+        "= no auth); the learner and the scripts send the token they find there",
     )
     queue_size: int = Field(
         default=64,
@@ -500,9 +501,6 @@ class LearnerConfig(_Section):
     server_probe_s: float = Field(
         default=5.0, gt=0, description="with server_urls: how often a server that is down is tried again"
     )
-    api_token_env: str = Field(
-        default=TOKEN_ENV, description="environment variable holding the server's token"
-    )
     placement: Literal["timeslice", "split"] = Field(
         default="timeslice",
         description="'timeslice': one device, the server sleeps while the learner trains (on-policy); "
@@ -629,7 +627,10 @@ class TandemConfig(_Section):
 
 
 # Fields that were renamed: a config that still uses the old name fails with one line naming the new one.
-RENAMED = {"grpo.is_cap": "grpo.dual_clip"}
+RENAMED = {
+    "grpo.is_cap": "grpo.dual_clip",
+    "learner.api_token_env": "server.api_token_env",  # one token, one variable naming it
+}
 
 
 class ConfigError(ValueError):

@@ -250,6 +250,10 @@ def test_every_field_is_described_and_the_reference_page_is_current():
     "overrides, message",
     [
         (["grpo.is_cap=3"], "invalid config: grpo.is_cap: renamed: use grpo.dual_clip"),
+        (
+            ["learner.api_token_env=MY_TOKEN"],
+            "invalid config: learner.api_token_env: renamed: use server.api_token_env",
+        ),
         (["grpo.tis_cap=2"], "invalid config: grpo.tis_cap needs grpo.old_logprobs = 'recompute'"),
         (
             ["grpo.loss=cispo", "grpo.dual_clip=3"],
