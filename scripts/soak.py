@@ -48,7 +48,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,23 +159,11 @@ class Slot:
     name: str
     start: callable
     proc: Proc | None = None
-    lives: list[int] = field(default_factory=list)  # pid of each start
     restarts: int = 0
     held: bool = False  # not to be restarted now (a fault in progress, or the end)
-    exits: list[int] = field(default_factory=list)
-    log_from: int = 0  # where this life's output starts in its log
 
     def launch(self) -> None:
         self.proc = self.start()
-        self.lives.append(self.proc.pid)
-        with contextlib.suppress(OSError):
-            self.log_from = self.proc.log_path.stat().st_size
-
-    def said(self, text: str) -> bool:
-        """This life's output holds `text`."""
-        with self.proc.log_path.open("rb") as f:
-            f.seek(self.log_from)
-            return text.encode() in f.read()
 
 
 class Soak:
@@ -207,7 +195,6 @@ class Soak:
         self.servers = [Slot(f"server{i}", lambda i=i: self.start_server(i)) for i in range(args.servers)]
         self.learner = Slot("learner", self.start_learner)
         self.faults = self.out / "faults.jsonl"
-        self.done_steps = 0
 
     # -- starting -------------------------------------------------------------------------------------
     def mount_disk(self) -> Path | None:
@@ -263,7 +250,6 @@ class Soak:
             if slot.proc is None or slot.proc.alive() or slot.held:
                 continue
             code = slot.proc.returncode
-            slot.exits.append(code)
             if slot is self.learner and code == 0 and self.finished():
                 slot.held = True
                 continue
@@ -736,6 +722,7 @@ def main() -> int:
     if args.servers < 1:
         p.error("--servers must be at least 1")
     args.out = args.out or str(REPO / "runs" / time.strftime("soak-%Y%m%d-%H%M%S"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stopped: its processes are stopped too
     Path(args.out).mkdir(parents=True, exist_ok=True)
     soak = Soak(args)
     try:
