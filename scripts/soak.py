@@ -552,11 +552,12 @@ class Sampler:
         import matplotlib.pyplot as plt
 
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-        for key, points in sorted(self.series().items()):
-            if max(r for _, r, _ in points) < 50:
-                continue
+        series = {k: v for k, v in sorted(self.series().items()) if max(r for _, r, _ in v) >= 50}
+        colors = {role: f"C{i}" for i, role in enumerate(sorted({k.rsplit("/", 1)[0] for k in series}))}
+        for key, points in series.items():
+            role = key.rsplit("/", 1)[0]
             t = [p[0] / 60 for p in points]
-            ax1.plot(t, [p[1] for p in points], lw=1, label=key.rsplit("/", 1)[0])
+            ax1.plot(t, [p[1] for p in points], lw=1, color=colors[role], label=role)
         handles, labels = ax1.get_legend_handles_labels()
         unique = dict(zip(labels, handles, strict=True))
         ax1.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left")
