@@ -63,7 +63,8 @@ def three_steps(server, tmp_path_factory):
     started = time.time()
     # Dynamic sampling: a step of all-degenerate groups has no gradient at step 1 (zero advantages, and the
     # KL is zero while B = 0), and 3 steps x 2 groups of 4 all wrong happened once at 35 % accuracy.
-    extra = ["--learner.steps=3", "--learner.dynamic_sampling=true"]
+    # keep_checkpoints=3: adapters/v1 too (kept as checkpoints are), which the tests below compare
+    extra = ["--learner.steps=3", "--learner.dynamic_sampling=true", "--learner.keep_checkpoints=3"]
     p = learner(client.url, out, extra, out.parent / "learner.log")
     rc = p.wait(timeout=900)
     assert rc == 0, p.log()[-5000:]
