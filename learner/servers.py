@@ -55,13 +55,19 @@ class Pulled:
 
 
 def collect_groups(
-    client: Servers, cfg: TandemConfig, version: int, out: Path, floor_version: int = 0
+    client: Servers,
+    cfg: TandemConfig,
+    version: int,
+    out: Path,
+    floor_version: int = 0,
+    holding: tuple[str, ...] = (),
 ) -> Pulled:
     """B usable groups. Stale ones are dropped; with dynamic sampling degenerate ones too, pulling more
     for up to max_pull_rounds, after which degenerate groups fill what is missing (they still carry
     the KL term). Everything pulled is acked with the step, dropped groups included (and counted).
     Each lease is on disk (inflight_leases.json) before its groups are used; one that cannot be written
-    there is given back to the server at once, and the error raised."""
+    there is given back to the server at once, and the error raised. `holding`: leases of earlier pulls
+    still open (learner.lag_steps), kept in the record."""
     need, lc = cfg.learner.prompts_per_step, cfg.learner
     pulled, spare, rounds, t0 = Pulled([], []), [], 0, time.perf_counter()
     while len(pulled.groups) < need:
@@ -73,7 +79,7 @@ def collect_groups(
         # The pull's id is on disk before it is sent: killed between the server's answer and the record of
         # its lease id below, the learner's successor can still release that lease (sync_server).
         request_id = uuid.uuid4().hex
-        _record(client, out, [*pulled.lease_ids, PULLING + request_id], pulled.lease_ids)
+        _record(client, out, [*holding, *pulled.lease_ids, PULLING + request_id], pulled.lease_ids)
         resp = client.pull(need - len(pulled.groups), wait_s=lc.pull_wait_s, request_id=request_id)
         rounds += 1
         kept = 0
@@ -90,12 +96,13 @@ def collect_groups(
                     continue
             pulled.groups.append(g)
         if resp.lease_id and kept:
-            _record(client, out, [*pulled.lease_ids, resp.lease_id], [*pulled.lease_ids, resp.lease_id])
+            leases = [*pulled.lease_ids, resp.lease_id]
+            _record(client, out, [*holding, *leases], leases)
             pulled.lease_ids.append(resp.lease_id)
         else:
             if resp.lease_id:  # only stale groups: done with them now, before the lease can run out
                 ack(client, resp.lease_id)
-            _record(client, out, pulled.lease_ids, pulled.lease_ids)
+            _record(client, out, [*holding, *pulled.lease_ids], pulled.lease_ids)
     pulled.dropped_degenerate = len(spare)
     pulled.seconds = time.perf_counter() - t0
     return pulled
@@ -137,11 +144,11 @@ def release(client: Servers, lease_ids: list[str]) -> None:
         client.retry_s = retry
 
 
-def collect_or_stop(client: Servers, cfg: TandemConfig, state: ckpt.State, out: Path, log):
+def collect_or_stop(client: Servers, cfg: TandemConfig, state: ckpt.State, out: Path, log, holding=()):
     """collect_groups; None when a stop is requested while the server cannot be reached; a Pulled with
     only `error` set when out_dir cannot record the leases (they were given back). Crosses ranks as is."""
     try:
-        return collect_groups(client, cfg, state.version, out, state.floor_version)
+        return collect_groups(client, cfg, state.version, out, state.floor_version, tuple(holding))
     except Interrupted as e:
         log(f"{e}: exit (the last step's checkpoint stands)")
         return None

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -89,6 +90,10 @@ class _Run:
     pad_id: int
     log: object
     published: bool = True  # False: stopped before the last step's publish (server unreachable)
+    held: deque[Pulled] = field(default_factory=deque)  # learner.lag_steps: pulled, waiting their turn
+
+    def held_leases(self) -> list[str]:
+        return [lease for p in self.held for lease in p.lease_ids]
 
 
 def _pull(run: _Run, state: ckpt.State) -> Pulled | None:
@@ -98,11 +103,34 @@ def _pull(run: _Run, state: ckpt.State) -> Pulled | None:
         groups = ckpt.replay_groups(run.cfg.learner.replay_file, state.step + 1)
         return Pulled(groups, [], seen=len(groups), degenerate=sum(map(is_degenerate, groups)))
     pulled = broadcast_object(
-        collect_or_stop(run.client, run.cfg, state, run.out, run.log) if run.rank == 0 else None
+        collect_or_stop(run.client, run.cfg, state, run.out, run.log, run.held_leases())
+        if run.rank == 0
+        else None
     )
     if pulled is not None and pulled.error is not None:
         raise ckpt.OutDirError(pulled.error)
     return pulled
+
+
+def _next_batch(run: _Run, state: ckpt.State) -> Pulled | None:
+    """The batch this step trains on: the one pulled now, or with learner.lag_steps = k the one pulled k
+    steps ago. The first step pulls k + 1 batches from version 0, so step s trains the groups of version
+    max(0, s-1-k): the lag builds up to exactly k. None: stopped while waiting for the server."""
+    while len(run.held) <= run.cfg.learner.lag_steps:
+        pulled = _pull(run, state)
+        if pulled is None:
+            return None
+        run.held.append(pulled)
+    return run.held.popleft()
+
+
+def _give_back_held(run: _Run) -> None:
+    """At the end, or on the way out: batches held back for learner.lag_steps were never trained, so their
+    groups go back (inflight_leases.json keeps them: what the server could not take back now, a resume
+    gives back)."""
+    if run.held and run.client is not None:
+        release(run.client, run.held_leases())
+    run.held.clear()
 
 
 def _before_training(run: _Run) -> None:
@@ -125,7 +153,7 @@ def _handoff(run: _Run, state: ckpt.State, pulled: Pulled, adapter) -> tuple[boo
     try:
         for lease_id in pulled.lease_ids:
             ack(client, lease_id)
-        ckpt.write_inflight(run.out, [])
+        ckpt.write_inflight(run.out, run.held_leases())
         crash_point("before_publish", state.step)
         client.publish(state.version, adapter)
         crash_point("after_publish", state.step)
@@ -145,7 +173,7 @@ def _loop(run: _Run, state: ckpt.State) -> None:
     handoff_s, queue_depth = 0.0, 0.0  # the previous step's ack + publish + wake
     t_step = time.perf_counter()
     while state.step < cfg.learner.steps:
-        pulled = _pull(run, state)
+        pulled = _next_batch(run, state)
         if pulled is None:  # stopped while waiting for the server: the last step's checkpoint stands
             return
         _before_training(run)
@@ -226,7 +254,10 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
         placement = cfg.learner.placement
         log(f"steps {state.step + 1}..{cfg.learner.steps}, {world} process(es), {placement} placement")
         run = _Run(cfg, engine, client, offload, device, out, sink, stop, rank, world, pad_id, log)
-        _loop(run, state)
+        try:
+            _loop(run, state)
+        finally:
+            _give_back_held(run)
     except BaseException:
         if client is not None:
             client.retry_s = 0.0

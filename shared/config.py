@@ -522,6 +522,14 @@ class LearnerConfig(_Section):
     lr: float = Field(default=5e-5, gt=0, description="AdamW learning rate of the LoRA weights (constant)")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
     max_staleness: int = Field(default=0, ge=0, description="drop groups more than this many versions old")
+    lag_steps: int = Field(
+        default=0,
+        ge=0,
+        description="experiments: train each step on the groups pulled lag_steps steps earlier, so that they "
+        "are exactly that many versions stale (step s trains version max(0, s-1-lag_steps)'s groups), to "
+        "measure off-policy corrections without depending on timing; 0 = off. The held-back groups stay "
+        "leased (raise server.lease_s past lag_steps steps); a resume gives them back",
+    )
     dynamic_sampling: bool = Field(default=True, description="DAPO: drop zero-std groups, pull more")
     max_pull_rounds: int = Field(default=8, ge=1, description="bound on extra pulls to fill a batch")
     pull_wait_s: float = Field(
@@ -610,6 +618,8 @@ class TandemConfig(_Section):
     def _check(self) -> TandemConfig:
         if self.lora.r > self.server.max_lora_rank:
             raise ValueError(f"lora.r={self.lora.r} exceeds server.max_lora_rank={self.server.max_lora_rank}")
+        if self.learner.lag_steps and self.learner.replay_file:
+            raise ValueError("learner.lag_steps does not apply to learner.replay_file (unset one of them)")
         if self.learner.placement == "split" and self.server.max_loras < self.learner.max_staleness + 1:
             raise ValueError("server.max_loras must be >= learner.max_staleness + 1 in split placement")
         if self.server.shard_index >= self.server.num_shards:

@@ -233,6 +233,28 @@ def test_shared_prompt_gives_the_plain_gradients_at_two_processes(three_steps, t
         assert (g - grads["true"][k]).abs().max().item() <= 1e-3 * scale + floor[k], k
 
 
+def test_lag_steps_trains_groups_exactly_k_versions_old_and_gives_back_the_held_ones(server, tmp_path):
+    """learner.lag_steps = 1 over 3 steps: step 1 pulls two batches from its first version f, step s trains
+    version f + max(0, s - 2)'s groups (lags 0, 1, 1), and the batch still held at the end goes back."""
+    _, client, tmp = server
+    out, started = tmp_path / "run", time.time()
+    p = learner(client.url, out, ["--learner.steps=3", "--learner.lag_steps=1"], tmp_path / "learner.log")
+    assert p.wait(timeout=900) == 0, p.log()[-5000:]
+    trained = _jsonl(out / "groups.jsonl")
+    versions = [sorted({g["policy_version"] for g in t["groups"]}) for t in trained]
+    f = versions[0][0]
+    assert versions == [[f], [f], [f + 1]]
+    assert [r["policy/version_lag"] for r in _jsonl(out / "metrics.jsonl")] == [0.0, 1.0, 1.0]
+    events = [e for e in _jsonl(tmp / "server" / "events.jsonl") if e["t"] >= started]
+    leased = {e["lease_id"]: e["group_ids"] for e in events if e["event"] == "lease"}
+    acked = {e["lease_id"] for e in events if e["event"] == "ack"}
+    released = [e["lease_id"] for e in events if e["event"] == "release"]
+    trained_ids = {g["group_id"] for t in trained for g in t["groups"]}
+    assert set(leased) == acked | set(released) and not acked & set(released), "a lease left open"
+    assert [gid for lease in released for gid in leased[lease]], "the held batch was not given back"
+    assert not trained_ids & {gid for lease in released for gid in leased[lease]}
+
+
 @pytest.fixture
 def fresh_server(tmp_path, model_dir):
     """A server of its own: the module's one already serves a newer policy than a new run's v0."""
