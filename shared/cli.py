@@ -91,7 +91,7 @@ def check_task(cfg: TandemConfig) -> None:
     resolve(cfg.reward)
     if cfg.env.kind != "single_turn":
         load_env(cfg.env)
-    if cfg.data.task == "custom":
+    if cfg.data.task in ("custom", "reasoning_gym"):
         try:
             load_problems(cfg.data)
         except DatasetError as e:

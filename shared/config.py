@@ -7,6 +7,7 @@ and `sampling`; the server reads `data` and `server`, the learner `lora`, `grpo`
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -86,10 +87,12 @@ class SamplingConfig(_Section):
 
 
 class DataConfig(_Section):
-    task: Literal["gsm8k", "arith", "custom"] = Field(
+    task: Literal["gsm8k", "arith", "custom", "reasoning_gym"] = Field(
         default="gsm8k",
-        description="'gsm8k', 'arith' (generated word problems), or 'custom': your own dataset, read from "
-        "data.path or the hub (data.hub_id) with the column mapping below",
+        description="'gsm8k', 'arith' (generated word problems), 'custom': your own dataset, read from "
+        "data.path or the hub (data.hub_id) with the column mapping below, or 'reasoning_gym': a "
+        "reasoning-gym task (data.rg_task) or mix (data.rg_mix), generated offline from data.seed and scored "
+        "by the task's own score_answer (reward 'reasoning_gym')",
     )
     path: str | None = Field(
         default=None,
@@ -107,6 +110,21 @@ class DataConfig(_Section):
     )
     arith_difficulty: int = Field(default=2, ge=1, le=6, description="'arith' task: operands/size knob")
     arith_size: int = Field(default=5000, ge=10, description="'arith' task: problems in the train split")
+    rg_task: str | None = Field(
+        default=None, description="'reasoning_gym': the task's name, e.g. 'basic_arithmetic', 'leg_counting'"
+    )
+    rg_mix: dict[str, float] | None = Field(
+        default=None,
+        description="'reasoning_gym': a weighted mix instead of rg_task, {task name: weight}, e.g. "
+        "{leg_counting = 1, basic_arithmetic = 2}",
+    )
+    rg_config: dict[str, Any] = Field(
+        default={},
+        description="'reasoning_gym': the task's config fields (reasoning-gym's <Task>Config), e.g. "
+        "{min_terms = 2, max_terms = 3}; with rg_mix, {task name: {fields}}",
+    )
+    rg_size: int = Field(default=5000, ge=1, description="'reasoning_gym': problems in the train split")
+    rg_eval_size: int = Field(default=200, ge=1, description="'reasoning_gym': problems in the test split")
     prompt_column: str = Field(default="prompt", description="custom: the column holding the prompt text")
     messages_column: str | None = Field(
         default=None,
@@ -131,6 +149,20 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
+        rg = [f for f in ("rg_task", "rg_mix") if getattr(self, f) is not None]
+        if self.task == "reasoning_gym" and len(rg) != 1:
+            raise ValueError(
+                "data.task = 'reasoning_gym' needs one of data.rg_task (a task's name) or data.rg_mix"
+            )
+        if self.task != "reasoning_gym" and (rg or self.rg_config):
+            raise ValueError(f"data.{(rg or ['rg_config'])[0]} applies to data.task = 'reasoning_gym' only")
+        if self.rg_mix is not None:
+            if not self.rg_mix or any(w <= 0 for w in self.rg_mix.values()):
+                raise ValueError("data.rg_mix: give each task a weight > 0, e.g. {leg_counting = 1}")
+            if unknown := set(self.rg_config) - set(self.rg_mix):
+                raise ValueError(
+                    f"data.rg_config: {sorted(unknown)} not in data.rg_mix ({{task: {{fields}}}})"
+                )
         if self.prompt_template is not None:
             try:
                 fields = [f for _, f, _, _ in Formatter().parse(self.prompt_template) if f is not None]
@@ -591,6 +623,12 @@ class LearnerConfig(_Section):
     )
     seed: int = Field(default=0, description="the LoRA initialisation's seed")
 
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        if self.lag_steps and self.replay_file:
+            raise ValueError("learner.lag_steps does not apply to learner.replay_file (unset one of them)")
+        return self
+
 
 class TandemConfig(_Section):
     model: ModelConfig = ModelConfig()
@@ -618,8 +656,14 @@ class TandemConfig(_Section):
     def _check(self) -> TandemConfig:
         if self.lora.r > self.server.max_lora_rank:
             raise ValueError(f"lora.r={self.lora.r} exceeds server.max_lora_rank={self.server.max_lora_rank}")
-        if self.learner.lag_steps and self.learner.replay_file:
-            raise ValueError("learner.lag_steps does not apply to learner.replay_file (unset one of them)")
+        if self.data.task == "reasoning_gym" and "reasoning_gym" not in self.reward.functions:
+            if "functions" not in self.reward.model_fields_set:
+                self.reward.functions = ["reasoning_gym"]  # the task's own score_answer, by default
+            elif all(f in ("gsm8k", "math", "r1_format") for f in self.reward.functions):
+                raise ValueError(
+                    f"reward.functions = {self.reward.functions} cannot read reasoning-gym's answers (they "
+                    "come in <answer> tags, scored by each task's score_answer): use ['reasoning_gym']"
+                )
         if self.learner.placement == "split" and self.server.max_loras < self.learner.max_staleness + 1:
             raise ValueError("server.max_loras must be >= learner.max_staleness + 1 in split placement")
         if self.server.shard_index >= self.server.num_shards:
@@ -677,12 +721,16 @@ def check_batch_size(cfg: TandemConfig, world_size: int) -> int:
 
 
 def _parse_value(raw: str) -> Any:
-    """A CLI override value is read as a TOML value (numbers, booleans, lists, quoted strings);
-    anything that is not valid TOML is taken as a bare string."""
+    """A CLI override value is read as a TOML value (numbers, booleans, lists, quoted strings, inline
+    tables), or as JSON for an object ({"a": 1}); anything else is taken as a bare string."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        return raw
+        pass
+    if raw.lstrip().startswith("{"):
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(raw)
+    return raw
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

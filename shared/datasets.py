@@ -167,6 +167,8 @@ def load_problems(cfg: DataConfig, split: str | None = None) -> list[Problem]:
     split = split or cfg.split
     if cfg.task == "custom":
         return load_custom(cfg, split)
+    if cfg.task == "reasoning_gym":
+        return load_reasoning_gym(cfg, split)
     if cfg.task == "gsm8k":
         problems = load_gsm8k(split, cfg.path, cfg.hub_id, cfg.hub_config or "main")
     else:
@@ -313,5 +315,79 @@ def load_custom(cfg: DataConfig, split: str) -> list[Problem]:
         metadata = {k: _jsonable(v) for k, v in row.items() if k not in used}
         problems.append(
             Problem(pid, question, "" if answer is None else str(answer), tuple(messages), metadata)
+        )
+    return problems
+
+
+# -- reasoning-gym -----------------------------------------------------------------------------------
+RG_PROMPT = "default"  # reasoning-gym's own system prompt of that name: think, then <answer>...</answer>
+
+
+def import_reasoning_gym():
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise DatasetError(
+            "data.task = 'reasoning_gym' needs the reasoning-gym package: pip install 'tandem[reasoning-gym]'"
+        ) from None
+    return reasoning_gym
+
+
+def rg_dataset(name: str, config: Mapping[str, Any], seed: int, size: int):
+    """reasoning-gym's generator for one task; DatasetError naming the task or field when it refuses."""
+    rg = import_reasoning_gym()
+    from reasoning_gym.factory import DATASETS
+
+    if name not in DATASETS:
+        import difflib
+
+        close = difflib.get_close_matches(name, DATASETS, n=3)
+        hint = (
+            f" (did you mean {', '.join(close)}?)"
+            if close
+            else f" ({len(DATASETS)} tasks: see reasoning_gym)"
+        )
+        raise DatasetError(f"data.rg_task: reasoning-gym has no task '{name}'{hint}")
+    try:
+        return rg.create_dataset(name, **{**config, "seed": seed, "size": size})
+    except (TypeError, ValueError, AssertionError) as e:
+        raise DatasetError(f"data.rg_config for '{name}': {e}") from None
+
+
+def load_reasoning_gym(cfg: DataConfig, split: str) -> list[Problem]:
+    """A reasoning-gym task (or weighted mix) as problems, generated from data.seed: the train split from
+    item seeds seed·10^6 + [0, rg_size), the test split from the next rg_eval_size, minus any question the
+    train split has. Each problem carries the task's entry, which the `reasoning_gym` reward scores with
+    the task's own score_answer; the model is asked for <answer>...</answer> by reasoning-gym's prompt."""
+    if split not in ("train", "test"):
+        raise DatasetError(f"reasoning_gym: unknown split '{split}' (use 'train' or 'test')")
+    weights = cfg.rg_mix or {cfg.rg_task: 1.0}
+    configs = cfg.rg_config if cfg.rg_mix else {cfg.rg_task: cfg.rg_config}
+    size = cfg.rg_size if split == "train" else cfg.rg_eval_size
+    start = 0 if split == "train" else cfg.rg_size
+    # one generator per task, its item seeds disjoint between the splits (items are drawn from seed + index)
+    base = cfg.seed * 1_000_000
+    tasks = {name: rg_dataset(name, configs.get(name, {}), base + start, size) for name in weights}
+    pick = random.Random(f"rg-{split}-{cfg.seed}")
+    names, taken = list(weights), dict.fromkeys(weights, 0)
+    seen_train = {p.question for p in load_reasoning_gym(cfg, "train")} if split == "test" else set()
+    rg = import_reasoning_gym()
+    system = cfg.system_prompt if cfg.system_prompt is not None else rg.utils.SYSTEM_PROMPTS[RG_PROMPT]
+    problems = []
+    for index in range(size):
+        name = pick.choices(names, weights=[weights[n] for n in names])[0]
+        entry = _jsonable(tasks[name][taken[name]])
+        taken[name] += 1
+        if entry["question"] in seen_train:
+            continue
+        user = (cfg.prompt_template or "{prompt}").format_map({"prompt": entry["question"]})
+        problems.append(
+            Problem(
+                id=f"rg-{split}-{index}",
+                question=entry["question"],
+                answer=str(entry["answer"]),
+                messages=({"role": "system", "content": system}, {"role": "user", "content": user}),
+                metadata={"rg_task": name, "rg_config": dict(configs.get(name, {})), "rg_entry": entry},
+            )
         )
     return problems

@@ -25,6 +25,7 @@ kind, with the traceback.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -84,11 +85,31 @@ def r1_format(completion: str, answer: str = "", prompt: str = "", metadata: dic
     return 1.0 if reasoning.strip() and after.strip() else 0.0
 
 
+def reasoning_gym(completion: str, answer: str = "", prompt: str = "", metadata: dict | None = None) -> float:
+    """data.task = 'reasoning_gym': the task's own score_answer on the completion's last <answer>...</answer>
+    (reasoning-gym's extraction), with the problem's entry from its metadata."""
+    metadata = metadata or {}
+    if "rg_entry" not in metadata:
+        raise ValueError("the reasoning_gym reward scores data.task = 'reasoning_gym' problems only")
+    from reasoning_gym.utils import extract_answer as rg_extract
+
+    score = _rg_scorer(metadata["rg_task"], json.dumps(metadata.get("rg_config", {}), sort_keys=True))
+    return float(score(rg_extract(completion), metadata["rg_entry"]))
+
+
+@functools.lru_cache(maxsize=64)
+def _rg_scorer(task: str, config_json: str):
+    from shared.datasets import rg_dataset
+
+    return rg_dataset(task, json.loads(config_json), seed=0, size=1).score_answer
+
+
 # name -> (function, runs in the server's thread: trusted and linear-time)
 BUILTINS: dict[str, tuple[Callable[..., float], bool]] = {
     "gsm8k": (gsm8k, True),
     "math": (math_answer, False),
     "r1_format": (r1_format, True),
+    "reasoning_gym": (reasoning_gym, False),
 }
 
 

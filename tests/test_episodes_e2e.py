@@ -12,6 +12,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from rollout_server.episodes import Appender
+from shared.config import load_config
+from shared.datasets import load_problems
+from shared.rewards import reasoning_gym
 from tests.helpers import SMALL_LEARNER, start_learner, start_server
 
 pytestmark = pytest.mark.slow
@@ -167,3 +170,23 @@ def test_two_steps_each_on_a_tool_task_and_a_multi_turn_task(tmp_path, model_dir
     # SmolLM2-135M rarely writes a tool call, even after a worked example: the tool turns' tokens are
     # checked where there are any, and always by the fast tests (tests/rollout_server/test_episodes.py).
     assert multi > 0, "no episode went past its first turn: the environment never answered"
+
+
+def test_two_steps_on_a_reasoning_gym_task(tmp_path, model_dir):
+    """data.task = 'reasoning_gym' in one line: generated offline, the reward its own score_answer."""
+    pytest.importorskip("reasoning_gym")
+    task = [
+        "--data.task=reasoning_gym",
+        "--data.rg_task=basic_arithmetic",
+        '--data.rg_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}',
+    ]
+    steps, metrics, rescored = _train(tmp_path, "rg", task)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(0 <= m["reward/reasoning_gym/mean"] <= 1 for m in metrics)
+    problems = {p.id: p for p in load_problems(load_config(None, [o[2:] for o in task]).data)}
+    for record in steps:  # each reward is the task's score_answer of the completion's <answer> tag
+        for g in record["groups"]:
+            meta = dict(problems[g["prompt_id"]].metadata)
+            for c in g["completions"]:
+                assert c["rewards"] == {"reasoning_gym": reasoning_gym(c["text"], g["answer"], "", meta)}
+    assert _check(rescored, AutoTokenizer.from_pretrained(model_dir)) == 0  # single turn: no episodes

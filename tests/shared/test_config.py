@@ -55,6 +55,17 @@ def test_toml_then_overrides(tmp_path):
     assert cfg.model.name == "my/model"  # a bare string is taken as a string
 
 
+def test_a_table_override_is_toml_or_json():
+    task = ["data.task=reasoning_gym", "data.rg_task=basic_arithmetic"]
+    for raw in ("{min_terms = 2, max_digits = 1}", '{"min_terms": 2, "max_digits": 1}'):
+        assert load_config(None, [*task, f"data.rg_config={raw}"]).data.rg_config == {
+            "min_terms": 2,
+            "max_digits": 1,
+        }
+    with pytest.raises(ConfigError, match="data.rg_config"):
+        load_config(None, [*task, "data.rg_config={min_terms: 2"])
+
+
 def test_unknown_key_names_the_field(tmp_path):
     f = tmp_path / "x.toml"
     f.write_text("[sampling]\ngroup_sise = 8\n")
@@ -255,6 +266,10 @@ def test_every_field_is_described_and_the_reference_page_is_current():
             "invalid config: learner.api_token_env: renamed: use server.api_token_env",
         ),
         (["grpo.tis_cap=2"], "invalid config: grpo.tis_cap needs grpo.old_logprobs = 'recompute'"),
+        (
+            ["learner.lag_steps=2", "learner.replay_file=groups.jsonl"],
+            "invalid config: learner.lag_steps does not apply to learner.replay_file",
+        ),
         (
             ["grpo.loss=cispo", "grpo.dual_clip=3"],
             "invalid config: grpo.dual_clip does not apply to grpo.loss",

@@ -1,0 +1,120 @@
+"""data.task = 'reasoning_gym': problems generated offline from a seed, scored by the task's own
+score_answer on the <answer> tag, and the config errors a user meets first."""
+
+import pytest
+
+from shared.cli import check_task
+from shared.config import ConfigError, TandemConfig, load_config
+from shared.datasets import DatasetError, load_problems
+from shared.rewards import RewardRunner, reasoning_gym
+
+pytest.importorskip("reasoning_gym")
+
+TASK = {"task": "reasoning_gym", "rg_task": "basic_arithmetic", "rg_size": 300, "rg_eval_size": 60}
+SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+
+
+def _cfg(**data) -> TandemConfig:
+    return TandemConfig(data={**TASK, **data})
+
+
+def test_problems_are_generated_from_the_seed_and_the_splits_are_disjoint():
+    cfg = _cfg(rg_config=SMALL)
+    train, test = load_problems(cfg.data, "train"), load_problems(cfg.data, "test")
+    assert len(train) == 300 and 0 < len(test) <= 60
+    assert not {p.question for p in train} & {p.question for p in test}
+    assert [p.question for p in load_problems(cfg.data, "train")] == [p.question for p in train]
+    assert [p.question for p in load_problems(_cfg(rg_config=SMALL, seed=1).data)] != [
+        p.question for p in train
+    ]
+    p = train[0]
+    # two one-digit terms, the answer their value: "Calculate a ± b." -> eval of the expression
+    expression = p.question.removeprefix("Calculate ").rstrip(".").replace("−", "-")
+    assert int(p.answer) == eval(expression)  # noqa: S307 (a generated expression of two digits)
+    system, user = p.conversation()
+    assert "<answer>" in system["content"] and user == {"role": "user", "content": p.question}
+
+
+def test_the_reward_is_the_tasks_score_answer_on_the_answer_tag():
+    p = load_problems(_cfg(rg_config=SMALL).data, "test")[0]
+    meta = dict(p.metadata)
+    assert reasoning_gym(f"The sum is... <answer> {p.answer} </answer>", p.answer, "", meta) == 1.0
+    # the last tag counts, as reasoning-gym extracts it
+    assert reasoning_gym(f"<answer>{p.answer}</answer> no, <answer>x</answer>", p.answer, "", meta) == 0.0
+    assert reasoning_gym(f"the answer is {p.answer}", p.answer, "", meta) == 0.0  # no tag, no answer
+    with pytest.raises(ValueError, match="reasoning_gym' problems only"):
+        reasoning_gym("<answer>1</answer>", "1", "", {})
+
+
+def test_a_mix_draws_each_task_by_weight_and_scores_each_with_its_own():
+    cfg = _cfg(
+        rg_task=None, rg_mix={"leg_counting": 1, "basic_arithmetic": 3}, rg_config={"basic_arithmetic": SMALL}
+    )
+    train = load_problems(cfg.data, "train")
+    tasks = [p.metadata["rg_task"] for p in train]
+    assert 0.15 < tasks.count("leg_counting") / len(tasks) < 0.35  # 1 in 4 of 300 draws
+    legs = next(p for p in train if p.metadata["rg_task"] == "leg_counting")
+    assert reasoning_gym(f"<answer>{legs.answer}</answer>", legs.answer, "", dict(legs.metadata)) == 1.0
+
+
+def test_the_task_chooses_its_reward_and_a_verifier_that_cannot_read_it_is_an_error():
+    assert _cfg().reward.functions == ["reasoning_gym"]
+    cfg = load_config("deploy/configs/cpu.toml", ["data.task=reasoning_gym", "data.rg_task=leg_counting"])
+    assert cfg.reward.functions == ["reasoning_gym"]
+    with pytest.raises(ValueError, match=r"cannot read reasoning-gym's answers"):
+        TandemConfig(data=TASK, reward={"functions": ["gsm8k"]})
+    assert TandemConfig(data=TASK, reward={"functions": ["reasoning_gym", "r1_format"]}).reward.functions
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"rg_task": None}, "needs one of data.rg_task"),
+        ({"rg_mix": {"leg_counting": 1}}, "needs one of data.rg_task"),
+        ({"task": "arith"}, "data.rg_task applies to data.task = 'reasoning_gym' only"),
+        ({"rg_task": None, "rg_mix": {"leg_counting": 0}}, "weight > 0"),
+        (
+            {"rg_task": None, "rg_mix": {"leg_counting": 1}, "rg_config": {"chain_sum": {}}},
+            "not in data.rg_mix",
+        ),
+    ],
+)
+def test_config_errors_name_the_field(data, message):
+    with pytest.raises(ValueError, match=message):
+        _cfg(**data)
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"rg_task": "leg_count"}, "reasoning-gym has no task 'leg_count' \\(did you mean leg_counting"),
+        ({"rg_config": {"max_terms": 1}}, "data.rg_config for 'basic_arithmetic'"),
+        ({"rg_config": {"no_such_field": 1}}, "data.rg_config for 'basic_arithmetic'.*no_such_field"),
+    ],
+)
+def test_check_config_refuses_an_unknown_task_or_config_in_one_line(data, message):
+    with pytest.raises(DatasetError, match=message):
+        load_problems(_cfg(**data).data)
+    with pytest.raises(ConfigError, match=message):
+        check_task(_cfg(**data))
+
+
+def test_the_reward_runs_in_the_workers_as_training_calls_it():
+    import asyncio
+
+    from shared.rewards import RewardCall
+
+    p = load_problems(_cfg(rg_config=SMALL).data, "test")[1]
+
+    async def score():
+        runner = RewardRunner(_cfg().reward)
+        try:
+            calls = [
+                RewardCall(f"<answer>{a}</answer>", p.answer, p.prompt_text, dict(p.metadata))
+                for a in (p.answer, "0.5")
+            ]
+            return await runner.score(calls)
+        finally:
+            await runner.close()
+
+    assert [row["reasoning_gym"] for row in asyncio.run(score())] == [1.0, 0.0]
