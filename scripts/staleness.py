@@ -8,10 +8,10 @@ Each run is `scripts/demo.py` (deploy/configs/cpu.toml, time-sliced, the demo's 
 sampled by version max(0, s-1-k) — staleness fixed by construction, not by how fast either side runs
 (split placement would give a mix of lags that depends on timing). Methods:
 
-  plain   GRPO as the defaults have it: π_old = the sampler's log-probs, PPO clip, dual clip 2
+  plain   GRPO as time-sliced runs have it: π_old = the sampler's log-probs, PPO clip, dual clip 2
   tis     π_old recomputed by the learner, each token weighted by min(π_old / π_sampler, 2), no gradient.
           With one optimizer step per batch the proximal policy of AReaL's decoupled PPO *is* this π_old,
-          so this row is decoupled PPO too (grpo.py says why)
+          so this row is decoupled PPO too (grpo.py says why). The default where groups are stale
   tis-seq the same with one weight per sequence (the product of its tokens' ratios, truncated at 2)
   gspo    GSPO's sequence ratio against the sampler's log-probs, clipped at GSPO's 3e-4 / 4e-4
   cispo   CISPO: the clipped ratio as a stop-gradient weight on log π
@@ -33,12 +33,13 @@ from demo import run_demo  # scripts/, this script's folder, is on the path
 
 REPO = Path(__file__).resolve().parents[1]
 RECOMPUTE_TIS = ["--grpo.old_logprobs=recompute", "--grpo.tis_cap=2"]
+SAMPLER = ["--grpo.old_logprobs=sampler"]  # said outright: with lag_steps > 0, TIS is the default
 METHODS = {
-    "plain": [],
+    "plain": SAMPLER,
     "tis": RECOMPUTE_TIS,
     "tis-seq": [*RECOMPUTE_TIS, "--grpo.tis_level=sequence"],
-    "gspo": ["--grpo.ratio_level=sequence"],
-    "cispo": ["--grpo.loss=cispo"],
+    "gspo": [*SAMPLER, "--grpo.ratio_level=sequence"],
+    "cispo": [*SAMPLER, "--grpo.loss=cispo"],
 }
 
 
@@ -93,7 +94,7 @@ def plot(rows: list[dict], path: Path) -> None:
         title="Off-policy corrections under staleness (bars: mean of seeds, dots: each)",
         ylim=(0, 100),
     )
-    ax.legend(loc="lower left", fontsize=8)
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 

@@ -419,6 +419,9 @@ class LoraConfig(_Section):
     )
 
 
+STALE_TIS_CAP = 2.0  # grpo.tis_cap by default where groups are stale (split placement, lag_steps)
+
+
 class GRPOConfig(_Section):
     """Every numerical convention of the loss, named (DESIGN.md §4)."""
 
@@ -452,7 +455,9 @@ class GRPOConfig(_Section):
     )
     old_logprobs: Literal["sampler", "recompute"] = Field(
         default="sampler",
-        description="π_old of the ratio. 'sampler': the sampler's log-probs. 'recompute': the learner's own "
+        description="π_old of the ratio; unless set, 'recompute' with tis_cap = 2 where groups are stale "
+        "(learner.placement = 'split', or learner.lag_steps > 0: docs/benchmarks.md §12), else 'sampler'. "
+        "'sampler': the sampler's log-probs. 'recompute': the learner's own "
         "at the step's weights, exact at no extra cost (every micro-batch of a step runs before its one "
         "optimizer step, so π_old is the policy's log-probs detached); the sampler's stay the behaviour "
         "policy that grpo.tis_cap corrects for (with both: AReaL's decoupled PPO)",
@@ -656,6 +661,12 @@ class TandemConfig(_Section):
     def _check(self) -> TandemConfig:
         if self.lora.r > self.server.max_lora_rank:
             raise ValueError(f"lora.r={self.lora.r} exceeds server.max_lora_rank={self.server.max_lora_rank}")
+        g = self.grpo
+        stale = self.learner.placement == "split" or self.learner.lag_steps > 0
+        if stale and not {"old_logprobs", "tis_cap"} & g.model_fields_set:
+            # Stale groups: truncated importance sampling on the learner's own π_old, at no extra cost
+            # (docs/benchmarks.md §12: it kept more held-out accuracy than plain GRPO at every staleness)
+            g.old_logprobs, g.tis_cap = "recompute", STALE_TIS_CAP
         if self.data.task == "reasoning_gym" and "reasoning_gym" not in self.reward.functions:
             if "functions" not in self.reward.model_fields_set:
                 self.reward.functions = ["reasoning_gym"]  # the task's own score_answer, by default

@@ -282,6 +282,22 @@ def test_off_policy_settings_that_cannot_go_together_name_both_fields(overrides,
     assert str(e.value).startswith(message)
 
 
+def test_stale_groups_get_truncated_importance_sampling_unless_told_otherwise():
+    def grpo(*overrides):
+        g = load_config(None, list(overrides)).grpo
+        return g.old_logprobs, g.tis_cap
+
+    assert grpo() == ("sampler", None)  # time-sliced: on-policy
+    assert grpo("learner.placement=split") == ("recompute", 2.0)
+    assert grpo("learner.lag_steps=2") == ("recompute", 2.0)
+    assert grpo("learner.placement=split", "grpo.old_logprobs=sampler") == ("sampler", None)
+    assert grpo("learner.placement=split", "grpo.old_logprobs=recompute", "grpo.tis_cap=5") == (
+        "recompute",
+        5.0,
+    )
+    assert load_config("deploy/configs/gpu-2x-split.toml").grpo.tis_cap == 2.0
+
+
 def test_gspo_brings_its_own_clip_range_unless_one_is_set():
     g = load_config(None, ["grpo.ratio_level=sequence"]).grpo
     assert (g.epsilon_low, g.epsilon_high) == (3e-4, 4e-4)
