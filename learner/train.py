@@ -177,9 +177,14 @@ def _loop(run: _Run, state: ckpt.State) -> None:
         if pulled is None:  # stopped while waiting for the server: the last step's checkpoint stands
             return
         _before_training(run)
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t_train = time.perf_counter()
         metrics = train_step(engine, pulled.groups, cfg, run.rank, run.world, run.pad_id)
         train_s = time.perf_counter() - t_train
+        if cuda:  # what training held on the GPU at its busiest (PyTorch's tensors; the context is extra)
+            metrics["mem/gpu_train_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
         state.step += 1
         state.version += 1
         state.pending_leases = pulled.lease_ids

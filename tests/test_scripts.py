@@ -49,6 +49,7 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
         "demo_matrix.py",
         "sampling_check.py",
         "soak.py",
+        "gpu_kit.py",
     ],
 )
 def test_benchmark_help(script):
@@ -70,8 +71,8 @@ def test_gpu_benchmark_files_each_memory_sample_under_the_phase_the_run_was_in()
     spec.loader.exec_module(bench)
     # The server's event log of a time-sliced run: the learner sleeps it to build, wakes it, trains...
     events = [
-        {"t": 10, "event": "sleep"}, {"t": 20, "event": "wake"}, {"t": 30, "event": "sleep"},
-        {"t": 40, "event": "publish", "version": 1}, {"t": 41, "event": "wake"},
+        {"t": 10, "event": "sleep"}, {"t": 20, "event": "wake"}, {"t": 29, "event": "lease"},
+        {"t": 30, "event": "sleep"}, {"t": 40, "event": "publish", "version": 1}, {"t": 41, "event": "wake"},
     ]  # fmt: skip
     bounds = bench.phases(events, healthy_at=5, learner_at=6)
     assert [name for _, name in bounds] == [
@@ -87,6 +88,11 @@ def test_gpu_benchmark_files_each_memory_sample_under_the_phase_the_run_was_in()
     table = bench.peaks(samples, bounds)
     assert table["step 1: rollout (server awake)"] == {"server": 950, "learner": 40, "GPU used": 1010}
     assert table["step 1: training"] == {"learner": 3000, "GPU used": 3100}
+    # On CPU the learner builds with the server awake: its first sleep is already step 1's training.
+    cpu = [{"t": 10, "event": "lease"}, {"t": 11, "event": "sleep"}, {"t": 12, "event": "wake"}]
+    assert [name for _, name in bench.phases(cpu, healthy_at=5, learner_at=6)][2:] == [
+        "step 1: training", "step 2: rollout (server awake)",
+    ]  # fmt: skip
 
 
 def test_trl_benchmark_breaks_a_tandem_step_into_its_phases():
