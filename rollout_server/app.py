@@ -29,7 +29,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from rollout_server import openai_api
+from rollout_server import openai_api, token_api
 from rollout_server.adapters import (
     AdapterRejected,
     AdapterStore,
@@ -115,6 +115,7 @@ class Server:
         self.failure: str | None = None  # set when the producer dies: /health turns 503
         self.evaluations: set[asyncio.Task] = set()  # /v1/generate work in flight
         self.openai = OpenAIState(cfg.server.openai_max_sequences)  # the OpenAI endpoints' slots
+        self.records = token_api.Records()  # what /inference/v1/generate answered, for checking it
         self.shutting_down = False
         self.producer_task: asyncio.Task | None = None  # producer.run(), once the app has started
 
@@ -193,6 +194,7 @@ def create_app(
     app.add_exception_handler(OpenAIError, lambda request, exc: openai_api.error_response(exc))
     app.include_router(router)
     app.include_router(openai_api.router)
+    app.include_router(token_api.router)
     return app
 
 

@@ -39,6 +39,7 @@ class TextRequest:
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     stop: tuple[str, ...] = ()  # the completion ends before the first of these; not included in it
+    stop_token_ids: tuple[int, ...] = ()  # the completion ends at the first of these, included (as EOS)
     logprobs: int | None = None  # each generated token's logprob and this many alternatives; None: none
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none)
 

@@ -158,6 +158,7 @@ class HFBackend:
             if request.max_tokens == 0 or cancelled.is_set():
                 return Piece([], "", [] if request.logprobs is not None else None, "length", prompt_lps)
             eos = self.tokenizer.eos_token_id
+            ends = [eos, *(t for t in request.stop_token_ids if t != eos)]
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
@@ -167,15 +168,16 @@ class HFBackend:
                 top_k=0 if sample else None,
                 max_new_tokens=request.max_tokens,
                 pad_token_id=self._pad_id,
-                eos_token_id=eos,
+                eos_token_id=ends,
                 stopping_criteria=_until(cancelled),
                 output_scores=request.logprobs is not None,  # after temperature and top_p: what was sampled
                 return_dict_in_generate=True,
             )
         new = out.sequences[0, len(prompt) :].tolist()
         finish = "length"
-        if eos in new:
-            new, finish = new[: new.index(eos) + 1], "stop"
+        end = next((i for i, t in enumerate(new) if t in ends), None)
+        if end is not None:
+            new, finish = new[: end + 1], "stop"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         hits = [(i, x) for x in request.stop if x and (i := text.find(x)) >= 0]
         if hits:  # as vLLM: the tokens up to the one completing the stop string, the text before it

@@ -44,7 +44,7 @@ from rollout_server.backend import Adapter, GenerationAborted, Piece, TextReques
 from shared.datasets import chat_prompt_ids
 from shared.protocol import adapter_name
 
-PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 BASE = "base"
 LATEST = "latest"
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI: 5 for completions, 20 for chat)
@@ -233,6 +233,7 @@ class ModelCard(BaseModel):
     owned_by: str = "tandem"
     root: str = Field(description="what this id serves: the base model's name, or for 'latest' a version")
     parent: str | None = None
+    max_model_len: int = Field(description="prompt + completion tokens at most (vLLM's extension)")
 
 
 class ModelList(BaseModel):
@@ -332,7 +333,7 @@ class OpenAIState:
         return self._texts[token]
 
 
-def _resolve(s, model: str) -> tuple[Adapter | None, str]:
+def resolve(s, model: str) -> tuple[Adapter | None, str]:
     """(adapter, canonical name) for a request's `model`; 404 in OpenAI's schema if there is none."""
     if model in (BASE, s.cfg.model.name):
         return None, BASE
@@ -380,7 +381,7 @@ def _slot(s, adapter):
     return s.openai.slots
 
 
-async def _sequence(s, prompt: list[int], request: TextRequest, adapter) -> AsyncIterator[Piece]:
+async def sequence(s, prompt: list[int], request: TextRequest, adapter) -> AsyncIterator[Piece]:
     """One choice, taking an evaluation slot; run again after the wake if a sleep cut it short before
     its first token (a sleep aborts the engine's requests), at most RETRIES times."""
     for attempt in range(RETRIES + 1):
@@ -488,7 +489,7 @@ class _Choice:
         self.finish_reason = piece.finish_reason or self.finish_reason
 
 
-def _check_length(s, prompt: list[int], max_tokens: int, where: str) -> None:
+def check_length(s, prompt: list[int], max_tokens: int, where: str) -> None:
     if not prompt:
         raise OpenAIError(400, f"{where} is empty", where)
     vocab = len(s.backend.tokenizer)
@@ -505,7 +506,7 @@ def _check_length(s, prompt: list[int], max_tokens: int, where: str) -> None:
         )
 
 
-def _check_sequences(s, count: int) -> None:
+def check_sequences(s, count: int) -> None:
     cap = s.cfg.server.max_generate_sequences
     if count > cap:
         raise OpenAIError(
@@ -535,7 +536,7 @@ async def _stream_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-async def _collect(s, streams: list[AsyncIterator[Piece]]) -> list[_Choice]:
+async def collect(s, streams: list[AsyncIterator[Piece]]) -> list[_Choice]:
     choices = [_Choice() for _ in streams]
 
     async def run():
@@ -556,18 +557,21 @@ def _srv(request: Request):
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(s=Depends(_srv)):
     now = int(time.time())
-    base = ModelCard(id=BASE, created=now, root=s.cfg.model.name)
+    limit = s.cfg.model.max_model_len
+    base = ModelCard(id=BASE, created=now, root=s.cfg.model.name, max_model_len=limit)
     stored = [
         ModelCard(
             id=adapter_name(v),
             created=int(s.store.path(v).stat().st_mtime),
             root=adapter_name(v),
             parent=BASE,
+            max_model_len=limit,
         )
         for v in s.store.versions()
     ]
     served = s.policy.served
-    latest = ModelCard(id=LATEST, created=now, root=served.name if served else BASE, parent=BASE)
+    root = served.name if served else BASE
+    latest = ModelCard(id=LATEST, created=now, root=root, parent=BASE, max_model_len=limit)
     return ModelList(data=[base, *stored, latest])
 
 
@@ -607,11 +611,11 @@ class _CompletionPlan:
             raise OpenAIError(400, f"best_of = {req.best_of} is not supported (only 1, or n)", "best_of")
         if req.max_tokens is None:  # null: OpenAI's default
             req.max_tokens = 16
-        self.adapter, self.model = _resolve(s, req.model)
+        self.adapter, self.model = resolve(s, req.model)
         self.prompts = _prompts(s, req.prompt)
         for i, p in enumerate(self.prompts):
-            _check_length(s, p, req.max_tokens, f"prompt[{i}]" if len(self.prompts) > 1 else "prompt")
-        _check_sequences(s, len(self.prompts) * req.n)
+            check_length(s, p, req.max_tokens, f"prompt[{i}]" if len(self.prompts) > 1 else "prompt")
+        check_sequences(s, len(self.prompts) * req.n)
         if req.max_tokens == 0 and not req.echo:
             raise OpenAIError(400, "max_tokens = 0 asks for nothing unless echo = true", "max_tokens")
         self.want_logprobs = req.logprobs is not None
@@ -623,7 +627,7 @@ class _CompletionPlan:
 
     def streams(self) -> list[AsyncIterator[Piece]]:
         return [
-            _sequence(self.s, p, self.request, self.adapter) for p in self.prompts for _ in range(self.req.n)
+            sequence(self.s, p, self.request, self.adapter) for p in self.prompts for _ in range(self.req.n)
         ]
 
     def prompt_of(self, index: int) -> int:
@@ -658,7 +662,7 @@ async def completions(req: CompletionRequest, s=Depends(_srv)):
                 c.finish_reason = "length"
         else:
             await _until_awake(s)
-            choices = await _collect(s, plan.streams())
+            choices = await collect(s, plan.streams())
         return Completion(
             id=cid,
             created=created,
@@ -688,19 +692,19 @@ async def completions(req: CompletionRequest, s=Depends(_srv)):
 # -- /v1/chat/completions ----------------------------------------------------------------------------
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
 async def chat_completions(req: ChatRequest, s=Depends(_srv)):
-    adapter, model = _resolve(s, req.model)
+    adapter, model = resolve(s, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs = true", "top_logprobs")
     prompt = chat_prompt_ids(s.backend.tokenizer, [m.as_dict() for m in req.messages])
     room = s.cfg.model.max_model_len - len(prompt)
     max_tokens = req.max_completion_tokens or req.max_tokens or room
-    _check_length(s, prompt, max_tokens, "messages")
-    _check_sequences(s, req.n)
+    check_length(s, prompt, max_tokens, "messages")
+    check_sequences(s, req.n)
     top = req.top_logprobs or 0
     request = req.text_request(max_tokens, top if req.logprobs else None)
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     await _until_awake(s)
-    streams = [_sequence(s, prompt, request, adapter) for _ in range(req.n)]
+    streams = [sequence(s, prompt, request, adapter) for _ in range(req.n)]
 
     def logprobs_of(choice: _Choice) -> ChatLogprobs | None:
         if not req.logprobs:
@@ -723,7 +727,7 @@ async def chat_completions(req: ChatRequest, s=Depends(_srv)):
         return ChatLogprobs.model_validate({"content": content})
 
     if not req.stream:
-        choices = await _collect(s, streams)
+        choices = await collect(s, streams)
         return ChatCompletion(
             id=cid,
             created=created,

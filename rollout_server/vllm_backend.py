@@ -395,6 +395,7 @@ class VllmBackend:
             top_p=request.top_p,
             max_tokens=max(1, request.max_tokens),
             stop=list(request.stop) or None,
+            stop_token_ids=list(request.stop_token_ids) or None,
             logprobs=request.logprobs,
             prompt_logprobs=request.prompt_logprobs,
             output_kind=RequestOutputKind.DELTA,

@@ -96,7 +96,8 @@ class FakeBackend:
     async def stream(self, prompt, request, adapter):
         """An OpenAI-style sequence, a token a piece: tokens 20+v, 21+v, ... (v: the adapter version), five
         and a stop, or max_tokens; each token's logprob -0.5, the next ids' -1.5, -2.5, ...; every prompt
-        token's -1.0. Honours stop strings, delay_s (per token), release and abort_first."""
+        token's -1.0. Honours stop strings and stop token ids, delay_s (per token), release and
+        abort_first."""
         v = adapter.version if adapter else 0
         self.texts.append((list(prompt), request, v))
         self.started.set()
@@ -135,7 +136,8 @@ class FakeBackend:
                 yield Piece([t], piece[: max(0, keep)], lps, "stop", prompt_lps if i == 0 else None)
                 return
             text += piece
-            end = "stop" if i == 4 else "length" if i == request.max_tokens - 1 else None
+            end = "stop" if i == 4 or t in request.stop_token_ids else None
+            end = end or ("length" if i == request.max_tokens - 1 else None)
             lps = [entry(t, -0.5, request.logprobs)] if request.logprobs is not None else None
             yield Piece([t], piece, lps, end, prompt_lps if i == 0 else None)
             if end:

@@ -391,6 +391,34 @@ def test_openai_sdk_reaches_every_version_with_the_openai_schemas(server, tokeni
     assert no_token.status_code == 401 and no_token.json()["error"]["type"] == "authentication_error"
 
 
+def test_token_in_token_out_answers_what_the_engine_sampled_and_its_logprobs_rescore(server, tokenizer):
+    """/inference/v1/generate on the real engine: each choice ends at a stop token id (kept) or at
+    max_tokens, and every logprob is the token's under the version that sampled it, as /v1/score
+    re-scores it teacher-forced (temperature 1, top_p 1: the sampled distribution is the model's)."""
+    _, _, client, _ = server
+    prompt = chat_prompt_ids(tokenizer, "Ava has 3 apples. Ava gets 4 more. How many apples now?")
+    eos = tokenizer.eos_token_id
+    sp = {"n": 2, "max_tokens": 12, "temperature": 1.0, "logprobs": 1, "stop_token_ids": [eos]}
+    r = httpx.post(
+        f"{client.url}/inference/v1/generate",
+        json={"model": "base", "token_ids": prompt, "sampling_params": sp},
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=300,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"] == "base" and len(body["choices"]) == 2
+    for choice in body["choices"]:
+        ids, content = choice["token_ids"], choice["logprobs"]["content"]
+        assert ids and [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
+        if choice["finish_reason"] == "stop":
+            assert ids[-1] == eos and choice["stop_reason"] == eos and eos not in ids[:-1]
+        else:
+            assert choice["finish_reason"] == "length" and len(ids) == 12 and eos not in ids
+        rescored = client.score(prompt, ids, version=0).logprobs
+        assert max(abs(e["logprob"] - x) for e, x in zip(content, rescored, strict=True)) < 2e-2
+
+
 def test_sampled_logprobs_are_of_the_nucleus_top_p_samples_from(server):
     """temperature 1, top_p 0.2, on a prompt whose every next token is more likely than 0.2 (checked
     greedily first): the nucleus is that one token, so each logprob is 0 and every listed alternative
