@@ -31,6 +31,10 @@ OVERRIDES = [
     "--server.queue_size=6",
     "--server.lease_s=6",
     "--data.task=arith",
+    # merge mode holds one version's weights: a request for another waits for the next switch, at most
+    # once per this many seconds (30 by default, which made the OpenAI tests here wait minutes); the
+    # batching of such requests is tested on the fake engine (test_openai_api.py)
+    "--server.vllm.eval_switch_every_s=1",
 ]
 # LoRA r=8 on q/v with B ~ N(0, 0.05): the mean |Δ logprob| against the base is ~0.3 on SmolLM2 (seen
 # 0.62 at the max). 0.05 is far above bf16 noise between identical requests (0.0 seen) and well below.
