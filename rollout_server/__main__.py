@@ -15,7 +15,7 @@ DESCRIPTION = (
 
 def main(argv: list[str] | None = None) -> int:
     _, cfg = parse_cli("python -m rollout_server", DESCRIPTION, argv, lambda p: None)
-    from rollout_server.app import serve  # heavy imports only after the config is known to be good
+    from rollout_server.serve import serve  # heavy imports only after the config is known to be good
 
     return serve(cfg)
 

@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import os
-import signal
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -29,7 +28,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from rollout_server import openai_api, token_api
+from rollout_server import generate_api, openai_api, openai_schema, token_api
 from rollout_server.adapters import (
     AdapterRejected,
     AdapterStore,
@@ -40,12 +39,13 @@ from rollout_server.adapters import (
     validate_folder,
 )
 from rollout_server.backend import GenerationAborted, RolloutBackend
+from rollout_server.evaluation import OpenAIState
 from rollout_server.events import EventLog
 from rollout_server.guard import RequestGuard
 from rollout_server.metrics import ServerMetrics
-from rollout_server.openai_api import OpenAIError, OpenAIState, bounded
+from rollout_server.openai_schema import OpenAIError
 from rollout_server.policy import Policy
-from rollout_server.producer import Producer, StateError, load_cursor, load_queue
+from rollout_server.producer import Producer, load_queue
 from rollout_server.queue import Journal, LeaseError, LeaseQueue
 from shared import protocol as P
 from shared.config import TandemConfig
@@ -191,8 +191,9 @@ def create_app(
     app.add_exception_handler(LeaseError, _lease_error)
     app.add_exception_handler(HTTPException, _openai_or(http_exception_handler))
     app.add_exception_handler(RequestValidationError, _openai_or(_invalid_request))
-    app.add_exception_handler(OpenAIError, lambda request, exc: openai_api.error_response(exc))
+    app.add_exception_handler(OpenAIError, lambda request, exc: openai_schema.error_response(exc))
     app.include_router(router)
+    app.include_router(generate_api.router)
     app.include_router(openai_api.router)
     app.include_router(token_api.router)
     return app
@@ -203,16 +204,16 @@ def _openai_or(handler):
     error there is a 400 naming the field, as OpenAI answers)."""
 
     async def handle(request: Request, exc: Exception):
-        if not openai_api.is_openai_path(request.url.path):
+        if not openai_schema.is_openai_path(request.url.path):
             return await handler(request, exc)
         if isinstance(exc, RequestValidationError):
-            return openai_api.error_response(openai_api.validation_error(list(exc.errors())))
+            return openai_schema.error_response(openai_schema.validation_error(list(exc.errors())))
         response = await handler(request, exc)
         detail = json.loads(response.body).get("detail")
         message = detail if isinstance(detail, str) else json.dumps(detail)
         err = OpenAIError(response.status_code, message)
         err.headers = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
-        return openai_api.error_response(err)
+        return openai_schema.error_response(err)
 
     return handle
 
@@ -410,212 +411,3 @@ async def wake(s: Server = Depends(srv)):
         async with _engine(s):
             await s.producer.wake()
     return P.SleepState(sleeping=False)
-
-
-def _check_awake(s: Server) -> None:
-    if s.producer.sleeping:
-        raise HTTPException(409, "the server is asleep; POST /v1/wake first")
-
-
-@router.post("/v1/generate", response_model=P.GenerateResponse)
-async def generate(req: P.GenerateRequest, s: Server = Depends(srv)):
-    _check_awake(s)
-    cfg = s.cfg
-    if req.count * req.n > cfg.server.max_generate_sequences:
-        raise HTTPException(
-            422,
-            f"{req.count} prompts x n={req.n} exceed server.max_generate_sequences="
-            f"{cfg.server.max_generate_sequences}; split the request",
-        )
-    adapter = s.policy.lookup(req.version)
-    if req.rows is not None and s.producer.env is None:
-        raise HTTPException(422, "'rows' plays episodes, and this server has no environment (env.kind)")
-    if req.messages is not None:
-        conversations = [[m.model_dump() for m in c] for c in req.messages]
-        prompts = [s.producer.conversation_ids(c) for c in conversations]
-    else:
-        prompts = [s.prompt_ids(q) for q in req.prompts]  # a 422 when the template needs a row
-        conversations = [render(cfg.data, q) for q in req.prompts]
-    room = cfg.model.max_model_len - max(len(p) for p in prompts)
-    if room < 1:
-        raise HTTPException(
-            422, f"a prompt leaves no room within model.max_model_len={cfg.model.max_model_len}"
-        )
-    max_tokens = min(req.max_tokens or cfg.sampling.max_new_tokens, room)
-    chunk = cfg.server.prompts_per_batch * cfg.sampling.group_size
-    if req.rows is not None:  # each sample played on as an episode, in chunks as production plays them
-        work = _play_in_chunks(s, prompts, conversations, req, max_tokens, adapter, chunk)
-        played = await bounded(s, work, cfg.server.generate_timeout_s)
-        outputs = [[_episode_text(e) for e in row] for row in played]
-    else:
-        work = _generate_in_chunks(s.backend, prompts, req.n, req.temperature, max_tokens, adapter, chunk)
-        samples = await bounded(s, work, cfg.server.generate_timeout_s)
-        outputs = [
-            [P.GeneratedText(text=x.text, token_ids=x.token_ids, finish_reason=x.finish_reason) for x in row]
-            for row in samples
-        ]
-    version = adapter.version if adapter else 0
-    return P.GenerateResponse(version=version, prompt_token_ids=prompts, outputs=outputs)
-
-
-@router.post("/v1/score", response_model=P.ScoreResponse)
-async def score(req: P.ScoreRequest, s: Server = Depends(srv)):
-    _check_awake(s)
-    ids = req.prompt_token_ids + req.completion_token_ids
-    if len(ids) > s.cfg.model.max_model_len:
-        raise HTTPException(422, f"{len(ids)} tokens exceed model.max_model_len={s.cfg.model.max_model_len}")
-    if max(ids) >= s.vocab_size:
-        raise HTTPException(422, f"token id {max(ids)} is outside the vocabulary ({s.vocab_size})")
-    adapter = s.policy.lookup(req.version)
-    logprobs = await s.backend.score(req.prompt_token_ids, req.completion_token_ids, adapter)
-    return P.ScoreResponse(version=adapter.version if adapter else 0, logprobs=logprobs)
-
-
-async def _play_in_chunks(
-    s: Server, prompts, conversations, req: P.GenerateRequest, max_tokens, adapter, chunk
-):
-    """Episodes of each prompt's samples, a production batch's worth of prompts at a time."""
-    played: list[list] = []
-    per_call = max(1, chunk // req.n)
-    for i in range(0, len(prompts), per_call):
-        part = prompts[i : i + per_call]
-        first = await _generate_in_chunks(s.backend, part, req.n, req.temperature, max_tokens, adapter, chunk)
-        rows = [
-            (ids, conv, r.answer, r.metadata)
-            for ids, conv, r in zip(
-                part, conversations[i : i + per_call], req.rows[i : i + per_call], strict=True
-            )
-        ]
-        played += await s.producer.play(rows, first, adapter, req.temperature, max_tokens)
-    return played
-
-
-def _episode_text(e) -> P.GeneratedText:
-    """An episode as an output: its text is the model's last turn (what reward functions score)."""
-    messages = [P.ChatMessage(role=m["role"], content=m["content"]) for m in e.messages]
-    return P.GeneratedText(
-        text=e.last_text, token_ids=e.ids, finish_reason=e.finish_reason, turns=e.turns, messages=messages
-    )
-
-
-async def _generate_in_chunks(backend, prompts, n, temperature, max_tokens, adapter, chunk: int):
-    """The backend called with at most `chunk` sequences at a time (the size of a production batch):
-    one request's memory stays that of a batch, and a cancellation takes effect between chunks."""
-    rows: list[list] = [[] for _ in prompts]
-    per_call = max(1, chunk // n)  # whole prompts per call when n fits a chunk
-    for i in range(0, len(prompts), per_call):
-        part = prompts[i : i + per_call]
-        for done in range(0, n, chunk):  # n beyond a chunk: the same prompt in several calls
-            k = min(chunk, n - done)
-            out = await backend.generate(
-                part, n=k, temperature=temperature, max_tokens=max_tokens, adapter=adapter, logprobs=False
-            )
-            for j, samples in enumerate(out):
-                rows[i + j].extend(samples)
-    return rows
-
-
-async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
-    """Choose the engine by `server.backend`. Each implementation module is the only one importing its
-    engine, so the other's dependencies need not be installed."""
-    if cfg.server.backend == "vllm":
-        from rollout_server.vllm_backend import VllmBackend
-
-        return await VllmBackend.create(cfg, model_path)
-    from rollout_server.hf_backend import HFBackend
-
-    return await HFBackend.create(cfg, model_path)
-
-
-def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
-    """What must hold before the engine starts (minutes on a GPU): the vLLM version, the model, the
-    data, the reward functions, a readable cursor and saved queue. Raises the errors serve() turns into
-    `error: ...` and exit 2."""
-    from transformers import AutoTokenizer
-
-    from rollout_server.vllm_backend import check_vllm_settings, check_vllm_version  # import no vllm
-    from shared.datasets import drop_long_prompts, load_problems
-    from shared.models import resolve_model
-    from shared.rewards import resolve
-
-    if cfg.server.backend == "vllm":
-        log.info("vLLM %s", check_vllm_version())
-        check_vllm_settings(cfg)
-    resolve(cfg.reward)
-    model_path = resolve_model(cfg.model.name)
-    problems = load_problems(cfg.data)
-    shard = cfg.server.shard_index, cfg.server.num_shards
-    if shard[1] > 1:  # each server its own prompts: two never produce the same one in an epoch
-        problems = problems[shard[0] :: shard[1]]
-        if not problems:
-            raise DatasetError(
-                f"server.shard_index={shard[0]} of server.num_shards={shard[1]} has no problems"
-            )
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if cfg.env.kind != "single_turn":  # its functions import, its tools have schemas, the template appends
-        from rollout_server.episodes import build
-
-        build(cfg.env, tokenizer)
-    problems, dropped = drop_long_prompts(problems, tokenizer, cfg.model.max_model_len)
-    if dropped:
-        log.warning(
-            "skipped %d of %d %s problems whose prompt alone leaves no room within model.max_model_len=%d "
-            "(ids: %s%s)",
-            len(dropped), len(problems) + len(dropped), cfg.data.task, cfg.model.max_model_len,
-            ", ".join(dropped[:5]), ", ..." if len(dropped) > 5 else "",
-        )  # fmt: skip
-    if not problems:
-        raise DatasetError(
-            f"no {cfg.data.task} problem fits within model.max_model_len={cfg.model.max_model_len}"
-        )
-    load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))
-    load_queue(Path(cfg.server.state_dir) / "queue.json", cfg.model.name)
-    Journal(Path(cfg.server.state_dir) / "queue.jsonl", cfg.model.name).replay()
-    log.info("%d %s problems (%s split%s); rewards: %s", len(problems), cfg.data.task, cfg.data.split,
-             f", shard {shard[0]} of {shard[1]}" if shard[1] > 1 else "",
-             ", ".join(cfg.reward.functions))  # fmt: skip
-    return model_path, problems, len(dropped)
-
-
-def serve(cfg: TandemConfig) -> int:
-    """Run the server until SIGTERM/SIGINT (exit 0) or until its producer dies (exit 1)."""
-    import uvicorn
-
-    from rollout_server.vllm_backend import VllmVersionError
-    from shared.config import ConfigError
-    from shared.models import ModelError
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        model_path, problems, skipped = _prepare(cfg)
-    except (ModelError, DatasetError, StateError, VllmVersionError, ConfigError) as e:
-        print(f"error: {e}", flush=True)
-        return 2
-
-    class Uvicorn(uvicorn.Server):
-        fatal = False
-
-        def handle_exit(self, sig, frame):  # SIGTERM: evaluation requests end now, not at their end
-            super().handle_exit(sig, frame)
-            if hasattr(app.state, "server"):  # runs on the loop's (main) thread, between callbacks
-                app.state.loop.call_soon_threadsafe(app.state.server.begin_shutdown)
-
-        def on_fatal(self) -> None:
-            self.fatal, self.should_exit = True, True
-
-    app = create_app(
-        cfg, problems, model_path, lambda: make_backend(cfg, model_path), lambda: server.on_fatal(), skipped
-    )
-    s = cfg.server
-    server = Uvicorn(
-        uvicorn.Config(
-            app, host=s.host, port=s.port, log_level="info", timeout_graceful_shutdown=s.shutdown_s
-        )
-    )
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler that
-    # was installed before it started; with the default one the process would die by the signal (exit
-    # 143) after a clean shutdown. A handler that does nothing lets serve() return 0.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: None)
-    server.run()
-    return 1 if server.fatal else 0

@@ -8,8 +8,9 @@ sampling_params.logprobs is set, one entry per token with the logprob of the dis
 (after temperature and top_p, as the learner's sampler logprobs are), its id both as `token_id` (vLLM's
 field) and as `token: "token_id:<id>"` (what the `renderers` client of verifiers reads), so either kind of
 client reads it. `model` names a version as the OpenAI routes do ('base', 'policy-v<N>', 'latest'; none:
-the one served); sleep, slots and errors are theirs too (rollout_server/openai_api.py). A sampling
-parameter this server cannot honour gets a 400 naming it, unless it carries the value that changes nothing.
+the one served); sleep, slots and errors are theirs too (rollout_server/evaluation.py, openai_schema.py).
+A sampling parameter this server cannot honour gets a 400 naming it, unless it carries the value that
+changes nothing.
 
 Every choice answered is kept (the newest RECORDS, by request id and choice index): the version, the
 prompt's length and digest, the completion's ids, logprobs and finish reason, so that a trajectory a client
@@ -31,18 +32,8 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout_server.backend import TextRequest
-from rollout_server.openai_api import (
-    ERRORS,
-    MAX_LOGPROBS,
-    MAX_STOP,
-    OpenAIError,
-    Usage,
-    check_length,
-    check_sequences,
-    collect,
-    resolve,
-    sequence,
-)
+from rollout_server.evaluation import check_length, check_sequences, collect, resolve, sequence
+from rollout_server.openai_schema import ERRORS, MAX_LOGPROBS, MAX_STOP, OpenAIError, Usage
 
 RECORDS = 65_536  # choices kept for checking: minutes of rollouts at any batch size this server runs
 IGNORED = ("seed", "skip_special_tokens", "spaces_between_special_tokens", "detokenize")

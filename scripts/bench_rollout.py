@@ -38,8 +38,8 @@ CASES = {  # name: (backend, config overrides, with a version published)
 
 
 async def measure(case: str, args, adapter_dir: Path) -> float:
-    from rollout_server.app import make_backend
     from rollout_server.backend import Adapter
+    from rollout_server.serve import make_backend
 
     backend_name, overrides, published = CASES[case]
     cfg = load_config(args.config, [f"server.backend={backend_name}", "model.max_model_len=1024", *overrides])

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from rollout_server.app import _generate_in_chunks
 from rollout_server.backend import GenerationAborted
+from rollout_server.generate_api import _generate_in_chunks
 from rollout_server.producer import StateError, load_cursor
 from shared.config import TandemConfig
 from shared.datasets import epoch_order
@@ -196,9 +196,9 @@ def test_serve_exits_1_when_the_producer_dies_so_a_supervisor_restarts_it(tmp_pa
     second batch fails as a dead engine core would. The process must end (code 1), not linger on 503."""
     import signal
 
-    import rollout_server.app as app_module
+    import rollout_server.serve as app_module
     from harness.net import free_port
-    from rollout_server.app import serve
+    from rollout_server.serve import serve
 
     async def fake_backend(cfg, model_path):
         return FakeBackend(fail_after=1)

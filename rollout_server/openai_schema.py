@@ -1,0 +1,283 @@
+"""OpenAI's schemas as this server speaks them: the requests it takes (what a sampler honours; a field it
+cannot honour is refused unless it carries the value that changes nothing), the responses, and the error
+body `{"error": {"message", "type", "param", "code"}}` every OpenAI-compatible route answers with
+(rollout_server/openai_api.py, token_api.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollout_server.backend import TextRequest
+
+PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+BASE = "base"
+LATEST = "latest"
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM allows (OpenAI: 5 for completions, 20 for chat)
+MAX_STOP = 16
+IMPOSSIBLE = -9999.0  # the logprob written for -inf (a token top_p ruled out), as vLLM's OpenAI server does
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+def is_openai_path(path: str) -> bool:
+    return path in PATHS
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers: dict[str, str] = {}
+
+
+def error_response(exc: OpenAIError) -> JSONResponse:
+    body = error_body(exc.status, exc.message, exc.param, exc.code)
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+def validation_error(errors: list[dict]) -> OpenAIError:
+    """FastAPI's request validation errors as one 400 naming the first field at fault."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        message = f"'{param}' is not supported by this server"
+    elif first.get("type") == "json_invalid":
+        message, param = "the request body is not valid JSON", None
+    elif first.get("type") == "missing":
+        message = f"'{param}' is required"
+    else:
+        message = f"{param}: {first.get('msg', 'invalid')}" if param else first.get("msg", "invalid request")
+    return OpenAIError(400, message, param)
+
+
+# -- requests ----------------------------------------------------------------------------------------
+def _no_op(value: Any, allowed: tuple, name: str) -> Any:
+    if value is not None and value not in allowed:
+        raise ValueError(f"{name} = {value!r} is not supported by this server (only {allowed[0]!r})")
+    return value
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN/Infinity are not JSON
+
+    model: str = Field(min_length=1, description=f"'{BASE}', 'policy-v<N>', or '{LATEST}' (GET /v1/models)")
+    temperature: float | None = Field(default=1.0, ge=0, le=2)
+    top_p: float | None = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = Field(default=None)
+    seed: int | None = Field(default=None, description="accepted and ignored: the engine is seeded at start")
+    user: str | None = Field(default=None, description="accepted and ignored")
+    presence_penalty: float | None = Field(default=None, description="only 0")
+    frequency_penalty: float | None = Field(default=None, description="only 0")
+    logit_bias: dict[str, float] | None = Field(default=None, description="only {}")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty(cls, v, info):
+        return _no_op(v, (0, 0.0), info.field_name)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v, info):
+        return _no_op(v, ({},), info.field_name)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("a stop sequence is empty")
+        return stops
+
+    def text_request(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None):
+        return TextRequest(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            stop=tuple(self.stop or ()),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="text, texts, token ids, or lists of token ids (one choice set per prompt)"
+    )
+    max_tokens: int | None = Field(default=16, ge=0, description="0 with echo: the prompt's logprobs only")
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(default=None, description="only 1 (or n)")
+    suffix: str | None = Field(default=None, description="not supported (only null)")
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v, info):
+        return _no_op(v, ("",), info.field_name)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="default: what max_model_len leaves")
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="the same as max_tokens")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    response_format: dict[str, Any] | None = Field(default=None, description='only {"type": "text"}')
+    tool_choice: str | None = Field(default=None, description="only 'none'")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="only []")
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v, info):
+        return _no_op(v, ({"type": "text"},), info.field_name)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v, info):
+        return _no_op(v, ("none",), info.field_name)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v, info):
+        return _no_op(v, ([],), info.field_name)
+
+
+_Request.model_rebuild()
+CompletionRequest.model_rebuild()
+ChatRequest.model_rebuild()
+
+
+# -- responses (OpenAI's schemas; documented in /openapi.json) -----------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tandem"
+    root: str = Field(description="what this id serves: the base model's name, or for 'latest' a version")
+    parent: str | None = None
+    max_model_len: int = Field(description="prompt + completion tokens at most (vLLM's extension)")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatReply(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatReply
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+ERRORS = {
+    status: {"description": what, "content": {"application/json": {"example": error_body(status, what)}}}
+    for status, what in [
+        (400, "an invalid or unsupported field, named in error.param"),
+        (401, "no bearer token"),
+        (404, "no such model"),
+        (503, "asleep past server.openai_wait_s, or shutting down"),
+    ]
+}

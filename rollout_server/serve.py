@@ -1,0 +1,124 @@
+"""The server process: check what must hold before the engine starts (the data, the rewards, the state on
+disk, the vLLM version), start the engine and the app, and run until SIGTERM/SIGINT (exit 0), a failure
+of the producer (exit 1) or a bad start (one line, exit 2)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+from rollout_server.app import create_app
+from rollout_server.backend import RolloutBackend
+from rollout_server.producer import StateError, load_cursor, load_queue
+from rollout_server.queue import Journal
+from shared.config import TandemConfig
+from shared.datasets import DatasetError, Problem
+
+log = logging.getLogger("tandem.server")
+
+
+async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
+    """Choose the engine by `server.backend`. Each implementation module is the only one importing its
+    engine, so the other's dependencies need not be installed."""
+    if cfg.server.backend == "vllm":
+        from rollout_server.vllm_backend import VllmBackend
+
+        return await VllmBackend.create(cfg, model_path)
+    from rollout_server.hf_backend import HFBackend
+
+    return await HFBackend.create(cfg, model_path)
+
+
+def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
+    """What must hold before the engine starts (minutes on a GPU): the vLLM version, the model, the
+    data, the reward functions, a readable cursor and saved queue. Raises the errors serve() turns into
+    `error: ...` and exit 2."""
+    from transformers import AutoTokenizer
+
+    from rollout_server.vllm_backend import check_vllm_settings, check_vllm_version  # import no vllm
+    from shared.datasets import drop_long_prompts, load_problems
+    from shared.models import resolve_model
+    from shared.rewards import resolve
+
+    if cfg.server.backend == "vllm":
+        log.info("vLLM %s", check_vllm_version())
+        check_vllm_settings(cfg)
+    resolve(cfg.reward)
+    model_path = resolve_model(cfg.model.name)
+    problems = load_problems(cfg.data)
+    shard = cfg.server.shard_index, cfg.server.num_shards
+    if shard[1] > 1:  # each server its own prompts: two never produce the same one in an epoch
+        problems = problems[shard[0] :: shard[1]]
+        if not problems:
+            raise DatasetError(
+                f"server.shard_index={shard[0]} of server.num_shards={shard[1]} has no problems"
+            )
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if cfg.env.kind != "single_turn":  # its functions import, its tools have schemas, the template appends
+        from rollout_server.episodes import build
+
+        build(cfg.env, tokenizer)
+    problems, dropped = drop_long_prompts(problems, tokenizer, cfg.model.max_model_len)
+    if dropped:
+        log.warning(
+            "skipped %d of %d %s problems whose prompt alone leaves no room within model.max_model_len=%d "
+            "(ids: %s%s)",
+            len(dropped), len(problems) + len(dropped), cfg.data.task, cfg.model.max_model_len,
+            ", ".join(dropped[:5]), ", ..." if len(dropped) > 5 else "",
+        )  # fmt: skip
+    if not problems:
+        raise DatasetError(
+            f"no {cfg.data.task} problem fits within model.max_model_len={cfg.model.max_model_len}"
+        )
+    load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))
+    load_queue(Path(cfg.server.state_dir) / "queue.json", cfg.model.name)
+    Journal(Path(cfg.server.state_dir) / "queue.jsonl", cfg.model.name).replay()
+    log.info("%d %s problems (%s split%s); rewards: %s", len(problems), cfg.data.task, cfg.data.split,
+             f", shard {shard[0]} of {shard[1]}" if shard[1] > 1 else "",
+             ", ".join(cfg.reward.functions))  # fmt: skip
+    return model_path, problems, len(dropped)
+
+
+def serve(cfg: TandemConfig) -> int:
+    """Run the server until SIGTERM/SIGINT (exit 0) or until its producer dies (exit 1)."""
+    import uvicorn
+
+    from rollout_server.vllm_backend import VllmVersionError
+    from shared.config import ConfigError
+    from shared.models import ModelError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        model_path, problems, skipped = _prepare(cfg)
+    except (ModelError, DatasetError, StateError, VllmVersionError, ConfigError) as e:
+        print(f"error: {e}", flush=True)
+        return 2
+
+    class Uvicorn(uvicorn.Server):
+        fatal = False
+
+        def handle_exit(self, sig, frame):  # SIGTERM: evaluation requests end now, not at their end
+            super().handle_exit(sig, frame)
+            if hasattr(app.state, "server"):  # runs on the loop's (main) thread, between callbacks
+                app.state.loop.call_soon_threadsafe(app.state.server.begin_shutdown)
+
+        def on_fatal(self) -> None:
+            self.fatal, self.should_exit = True, True
+
+    app = create_app(
+        cfg, problems, model_path, lambda: make_backend(cfg, model_path), lambda: server.on_fatal(), skipped
+    )
+    s = cfg.server
+    server = Uvicorn(
+        uvicorn.Config(
+            app, host=s.host, port=s.port, log_level="info", timeout_graceful_shutdown=s.shutdown_s
+        )
+    )
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal under the handler that
+    # was installed before it started; with the default one the process would die by the signal (exit
+    # 143) after a clean shutdown. A handler that does nothing lets serve() return 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: None)
+    server.run()
+    return 1 if server.fatal else 0
