@@ -147,11 +147,14 @@ class Record:
 
 
 class Records:
-    """The newest `capacity` choices answered, by (request id, choice index)."""
+    """The newest `capacity` choices answered, by (request id, choice index) and by content (the prompt and
+    the completion's tokens): a client whose trajectories do not carry request ids (the `verifiers`
+    library's traces keep the tokens, not the ids) is checked by what it sent and got."""
 
     def __init__(self, capacity: int = RECORDS):
         self.capacity = capacity
-        self._kept: OrderedDict[tuple[str, int], Record] = OrderedDict()
+        self._kept: OrderedDict[tuple[str, int], tuple[Record, bytes]] = OrderedDict()  # -> (record, content)
+        self._by_content: dict[bytes, tuple[str, int]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return (request_id, 0) in self._kept
@@ -159,23 +162,35 @@ class Records:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def add(self, request_id: str, index: int, record: Record) -> None:
-        self._kept[(request_id, index)] = record
+    def add(self, request_id: str, index: int, prompt_ids: list[int], record: Record) -> None:
+        content = digest(prompt_ids + list(record.token_ids))
+        self._kept[(request_id, index)] = (record, content)
+        self._by_content[content] = (request_id, index)
         while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+            where, (_, old) = self._kept.popitem(last=False)
+            if self._by_content.get(old) == where:
+                del self._by_content[old]
 
     def check(
         self,
-        request_id: str,
-        index: int,
         version: int,
         prompt_ids: list[int],
         token_ids: list[int],
         logprobs: list[float],
+        request: tuple[str, int] | None = None,
     ) -> str | None:
-        """Why this trajectory is not exactly what the engine answered to (request_id, index) (None: it
-        is): the version, the prompt, every token and every logprob, bit for bit."""
-        r = self._kept.get((request_id, index))
+        """Why this sampled span is not exactly what the engine answered (None: it is): to `request`
+        (request id, choice index) when given, else to the same prompt and tokens; the version, the
+        prompt, every token and every logprob, bit for bit."""
+        if request is None:
+            request = self._by_content.get(digest(prompt_ids + list(token_ids)))
+            if request is None:
+                return (
+                    f"no engine answer to this prompt ({len(prompt_ids)} tokens) with these {len(token_ids)} "
+                    f"tokens among the newest {self.capacity}: not sampled here, or altered"
+                )
+        request_id, index = request
+        r = self._kept.get(request, (None, b""))[0]
         if r is None:
             return (
                 f"no record of request {request_id!r} choice {index} (unknown, or older than the newest "
@@ -260,7 +275,7 @@ async def generate(req: TokensRequest, s=Depends(_srv)):
         record = Record(
             version, len(prompt), prompt_digest, array("q", c.token_ids), lps, out[-1].finish_reason
         )
-        s.records.add(request_id, i, record)
+        s.records.add(request_id, i, prompt, record)
     completion = sum(len(c.token_ids) for c in choices)
     return TokensResponse(
         request_id=request_id,

@@ -50,7 +50,8 @@ def test_tokens_come_back_with_their_logprobs_as_both_clients_read_them_and_are_
             ]
         assert backend.texts[-1][2] == 1  # sampled by version 1
         records, rid = c.app.state.server.records, body["request_id"]
-        assert records.check(rid, 1, 1, [5, 6, 7], [21, 22, 23], [-0.5] * 3) is None
+        assert records.check(1, [5, 6, 7], [21, 22, 23], [-0.5] * 3, request=(rid, 1)) is None
+        assert records.check(1, [5, 6, 7], [21, 22, 23], [-0.5] * 3) is None  # found by content too
 
         # no model: the version served; no max_tokens: what the context leaves; no logprobs: none
         r = c.post(URL, json={"token_ids": [5, 6], "sampling_params": {"temperature": 0}})
@@ -61,18 +62,28 @@ def test_tokens_come_back_with_their_logprobs_as_both_clients_read_them_and_are_
 def test_the_records_check_version_prompt_every_token_and_every_logprob():
     records = Records(capacity=2)
     record = Record(3, 3, digest([1, 2, 3]), array("q", [7, 8]), array("d", [-0.25, -1.5]), "stop")
-    records.add("a", 0, record)
-    assert records.check("a", 0, 3, [1, 2, 3], [7, 8], [-0.25, -1.5]) is None
-    assert "answered by version 3, not 2" in records.check("a", 0, 2, [1, 2, 3], [7, 8], [-0.25, -1.5])
-    assert "the prompt differs" in records.check("a", 0, 3, [1, 2, 4], [7, 8], [-0.25, -1.5])
-    assert "differ from the engine's (token 1)" in records.check("a", 0, 3, [1, 2, 3], [7, 9], [-0.25, -1.5])
-    assert "(length 3 vs 2)" in records.check("a", 0, 3, [1, 2, 3], [7, 8, 9], [-0.25, -1.5, 0.0])
-    assert "logprobs differ" in records.check("a", 0, 3, [1, 2, 3], [7, 8], [-0.25, -1.5000001])
-    assert "no record of request 'a' choice 1" in records.check("a", 1, 3, [1, 2, 3], [7, 8], [-0.25, -1.5])
-    records.add("b", 0, record)
-    records.add("c", 0, record)  # the oldest goes
-    assert "older than the newest 2" in records.check("a", 0, 3, [1, 2, 3], [7, 8], [-0.25, -1.5])
+    records.add("a", 0, [1, 2, 3], record)
+    by_id = {"request": ("a", 0)}
+    for how in ({}, by_id):  # by request id, or by what was sent and sampled
+        assert records.check(3, [1, 2, 3], [7, 8], [-0.25, -1.5], **how) is None
+        assert "answered by version 3, not 2" in records.check(2, [1, 2, 3], [7, 8], [-0.25, -1.5], **how)
+        assert "logprobs differ" in records.check(3, [1, 2, 3], [7, 8], [-0.25, -1.5000001], **how)
+    # by id, what differs is named; by content, a changed prompt or token finds no answer at all
+    assert "the prompt differs" in records.check(3, [1, 2, 4], [7, 8], [-0.25, -1.5], **by_id)
+    assert "differ from the engine's (token 1)" in records.check(3, [1, 2, 3], [7, 9], [-0.25, -1.5], **by_id)
+    assert "(length 3 vs 2)" in records.check(3, [1, 2, 3], [7, 8, 9], [-0.25, -1.5, 0.0], **by_id)
+    assert "not sampled here, or altered" in records.check(3, [1, 2, 4], [7, 8], [-0.25, -1.5])
+    assert "not sampled here, or altered" in records.check(3, [1, 2, 3], [7, 9], [-0.25, -1.5])
+    assert "no record of request 'a' choice 1" in records.check(
+        3, [1, 2, 3], [7, 8], [0, 0], request=("a", 1)
+    )
+    records.add("b", 0, [5], record)
+    six = Record(3, 1, digest([6]), array("q", [7, 8]), array("d", [-0.25, -1.5]), "stop")
+    records.add("c", 0, [6], six)  # the oldest goes, by id and by content
+    assert "older than the newest 2" in records.check(3, [1, 2, 3], [7, 8], [-0.25, -1.5], **by_id)
+    assert "not sampled here" in records.check(3, [1, 2, 3], [7, 8], [-0.25, -1.5])
     assert "a" not in records and "c" in records and len(records) == 2
+    assert records.check(3, [6], [7, 8], [-0.25, -1.5]) is None
 
 
 @pytest.mark.parametrize(
