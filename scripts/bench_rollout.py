@@ -5,9 +5,9 @@
 
 Same prompts (GSM8K test, chat-templated), same G, same max new tokens, temperature 1, top_p 1. Cases:
 `vllm-base`/`hf-base` the base model (vLLM without LoRA layers); `vllm-merge` vLLM with a LoRA r16
-(q/k/v/o) version published and merged into its weights (server.vllm.adapter_mode = "merge"); `vllm-lora`
+(q/k/v/o) version published and merged into its weights (server.adapter_mode = "merge"); `vllm-lora`
 the same version through vLLM's LoRA kernels; `hf-merge` transformers with that version merged into a copy
-(server.hf_merge_adapters).
+(server.adapter_mode = "merge").
 Each case gets one warm-up batch first (vLLM compiles/allocates on first use; the merge happens there),
 then the timed batch; all run in this process one after the other, so they share the machine's state.
 """
@@ -29,10 +29,10 @@ from shared.datasets import chat_prompt_ids, load_gsm8k
 from shared.models import resolve_model
 
 CASES = {  # name: (backend, config overrides, with a version published)
-    "vllm-base": ("vllm", ["server.vllm.adapter_mode=merge"], False),  # no LoRA layers: the bare engine
-    "vllm-merge": ("vllm", ["server.vllm.adapter_mode=merge"], True),
-    "vllm-lora": ("vllm", ["server.vllm.adapter_mode=lora"], True),
-    "hf-merge": ("hf", ["server.hf_merge_adapters=true"], True),
+    "vllm-base": ("vllm", ["server.adapter_mode=merge"], False),  # no LoRA layers: the bare engine
+    "vllm-merge": ("vllm", ["server.adapter_mode=merge"], True),
+    "vllm-lora": ("vllm", ["server.adapter_mode=lora"], True),
+    "hf-merge": ("hf", ["server.adapter_mode=merge"], True),
     "hf-base": ("hf", [], False),
 }
 

@@ -300,12 +300,6 @@ class VllmConfig(_Section):
         "them; vLLM's own default keeps one for its scheduler, half of a 2-core machine (1.7x slower here). "
         "In split placement on one machine, leave the learner its share",
     )
-    adapter_mode: Literal["lora", "merge"] = Field(
-        default="lora",
-        description="'lora': each version is a LoRA adapter applied by vLLM's LoRA kernels; 'merge': the "
-        "served version is written into the engine's weights (W0 + alpha/r*B*A), decoding at the base "
-        "model's speed; another version's request waits for the weights to be switched",
-    )
     eval_switch_every_s: float = Field(
         default=30.0,
         ge=0,
@@ -342,11 +336,11 @@ class ServerConfig(_Section):
     max_adapter_mb: float = Field(
         default=512.0, gt=0, description="largest adapter a publish may upload or name (413 above it)"
     )
-    max_lora_rank: int = Field(
-        default=16,
+    max_lora_rank: int | None = Field(
+        default=None,
         ge=1,
-        description="largest LoRA rank a published adapter may have (vLLM sizes its LoRA slots by it); must "
-        "be >= lora.r",
+        description="largest LoRA rank a published adapter may have (vLLM sizes its LoRA slots by it); "
+        "None: lora.r. Set, it must be >= lora.r",
     )
     max_generate_sequences: int = Field(
         default=1024, ge=1, description="cap on prompts x n of one /v1/generate request"
@@ -376,7 +370,12 @@ class ServerConfig(_Section):
         le=600,
         description="on SIGTERM: evaluation requests are cancelled at once, other requests get this long",
     )
-    max_loras: int = Field(default=2, ge=1, description=">= max_staleness + 1 in split mode")
+    max_loras: int | None = Field(
+        default=None,
+        ge=1,
+        description="LoRA versions vLLM holds at once; None: learner.max_staleness + 1 in split placement "
+        "(every version a group may come from), else 2. Set, it must be at least that in split placement",
+    )
     keep_versions: int | None = Field(
         default=32,
         ge=1,
@@ -385,10 +384,12 @@ class ServerConfig(_Section):
         "checkpoint of); older ones are deleted as new ones arrive. None keeps every version (a long "
         "run then grows the disk by one adapter a step)",
     )
-    hf_merge_adapters: bool = Field(
-        default=False,
-        description="hf backend: serve each adapter version as a base copy with the adapter merged in "
-        "(faster generation, one model's memory per loaded version)",
+    adapter_mode: Literal["lora", "merge"] = Field(
+        default="lora",
+        description="how a version is served. 'lora': the adapter applied by the engine's LoRA layers; "
+        "'merge': its weights merged into the model's (W0 + alpha/r*B*A), decoding at the base model's "
+        "speed: vLLM holds one version's weights at a time (a request for another waits for the switch, "
+        "server.vllm.eval_switch_every_s), the hf backend a merged copy per loaded version",
     )
     seed: int = Field(default=0, description="the sampler's seed (vLLM's, or torch's in the hf backend)")
     shard_index: int = Field(default=0, ge=0, description="this server's share of the prompts: those whose "
@@ -659,6 +660,11 @@ class TandemConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> TandemConfig:
+        split = self.learner.placement == "split"
+        if self.server.max_lora_rank is None:  # derived: the rank the learner trains
+            self.server.max_lora_rank = self.lora.r
+        if self.server.max_loras is None:  # derived: every version a group in flight may come from
+            self.server.max_loras = self.learner.max_staleness + 1 if split else 2
         if self.lora.r > self.server.max_lora_rank:
             raise ValueError(f"lora.r={self.lora.r} exceeds server.max_lora_rank={self.server.max_lora_rank}")
         g = self.grpo
@@ -675,8 +681,11 @@ class TandemConfig(_Section):
                     f"reward.functions = {self.reward.functions} cannot read reasoning-gym's answers (they "
                     "come in <answer> tags, scored by each task's score_answer): use ['reasoning_gym']"
                 )
-        if self.learner.placement == "split" and self.server.max_loras < self.learner.max_staleness + 1:
-            raise ValueError("server.max_loras must be >= learner.max_staleness + 1 in split placement")
+        if split and self.server.max_loras < self.learner.max_staleness + 1:
+            raise ValueError(
+                f"server.max_loras={self.server.max_loras} must be >= learner.max_staleness + 1 = "
+                f"{self.learner.max_staleness + 1} in split placement (or leave it out: it is derived)"
+            )
         if self.server.shard_index >= self.server.num_shards:
             raise ValueError(
                 f"server.shard_index={self.server.shard_index} must be below server.num_shards="
@@ -695,6 +704,8 @@ class TandemConfig(_Section):
 RENAMED = {
     "grpo.is_cap": "grpo.dual_clip",
     "learner.api_token_env": "server.api_token_env",  # one token, one variable naming it
+    "server.vllm.adapter_mode": "server.adapter_mode",  # one setting for both backends
+    "server.hf_merge_adapters": "server.adapter_mode = 'merge' (true) or 'lora' (false)",
 }
 
 

@@ -94,7 +94,7 @@ def test_help_lists_every_config_field_with_its_default_and_description():
                 continue
             assert f"--{section}.{name}=" in text, (section, name)
     assert "  --learner.shared_prompt=true\n      encode each prompt once" in text
-    assert '  --server.vllm.adapter_mode="lora"\n' in text
+    assert '  --server.adapter_mode="lora"\n' in text
 
 
 def test_two_single_process_learners_can_run_side_by_side(tmp_path):

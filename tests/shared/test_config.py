@@ -89,7 +89,20 @@ def test_out_of_range_value_names_the_field():
 
 def test_cross_field_rules():
     with pytest.raises(ConfigError, match="lora.r=32 exceeds server.max_lora_rank=16"):
-        load_config(None, ["lora.r=32"])
+        load_config(None, ["lora.r=32", "server.max_lora_rank=16"])
+    with pytest.raises(
+        ConfigError, match=r"server.max_loras=2 must be >= learner.max_staleness \+ 1 = 4 in split"
+    ):
+        load_config(None, ["learner.placement=split", "learner.max_staleness=3", "server.max_loras=2"])
+
+
+def test_the_servers_lora_slots_and_rank_are_derived_from_the_learners_settings():
+    cfg = load_config(None, ["lora.r=32"])
+    assert (cfg.server.max_lora_rank, cfg.server.max_loras) == (32, 2)  # the trained rank; timeslice: 2
+    split = load_config(None, ["learner.placement=split", "learner.max_staleness=3"])
+    assert split.server.max_loras == 4  # every version a group in flight may come from
+    shipped = load_config(REPO / "deploy/configs/gpu-2x-split.toml", [])
+    assert (shipped.server.max_lora_rank, shipped.server.max_loras) == (16, 3)  # as the file once set them
 
 
 def test_batch_size_invariant_names_all_three():
@@ -261,6 +274,15 @@ def test_every_field_is_described_and_the_reference_page_is_current():
     "overrides, message",
     [
         (["grpo.is_cap=3"], "invalid config: grpo.is_cap: renamed: use grpo.dual_clip"),
+        (
+            ["server.vllm.adapter_mode=merge"],
+            "invalid config: server.vllm.adapter_mode: renamed: use server.adapter_mode",
+        ),
+        (
+            ["server.hf_merge_adapters=true"],
+            "invalid config: server.hf_merge_adapters: renamed: use server.adapter_mode = 'merge' (true) or "
+            "'lora' (false)",
+        ),
         (
             ["learner.api_token_env=MY_TOKEN"],
             "invalid config: learner.api_token_env: renamed: use server.api_token_env",
