@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from learner.engine import barrier, load_checkpoint, save_checkpoint
+from learner.engine import barrier, broadcast_object, gather_objects, load_checkpoint, save_checkpoint
 from shared.config import TandemConfig
 
 
@@ -338,3 +338,26 @@ def write_summary(
     }  # fmt: skip
     with writing(out, "run_summary.json"):
         (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def persist_step(engine, cfg: TandemConfig, out: Path, state: State, groups: list, rank: int):
+    """Everything a step leaves on disk, in the order that makes a crash anywhere recoverable: adapter,
+    groups record, then the checkpoint that covers both (`latest` moves last). Returns the adapter
+    folder on rank 0, or the error message if a write failed on any rank."""
+    error, adapter = None, None
+    try:
+        if rank == 0:
+            check_finite(engine, state.step)
+            adapter = save_adapter(engine, out, state.version)
+            record_groups(out, state.step, groups)
+    except CheckpointError as e:
+        error = str(e)
+    error = broadcast_object(error)  # every rank saves, or none does
+    if error is None:
+        try:
+            save(engine, out, state, rank, cfg.learner.keep_checkpoints, cfg.learner.checkpoint_every)
+        except OutDirError as e:
+            error = str(e)
+        errors = [e for e in gather_objects(error) if e]
+        error = errors[0] if errors else None
+    return adapter, error

@@ -15,6 +15,7 @@ from typing import Protocol
 from learner import checkpoint as ckpt
 from learner.batch import is_degenerate, is_stale
 from learner.client import Interrupted, RolloutClient, ServerError
+from learner.engine import broadcast_object, move_frozen
 from learner.pool import ServerPool
 from learner.process import Stop
 from shared import protocol as P
@@ -226,3 +227,18 @@ def sync_server(client: Servers, engine, state: ckpt.State, out: Path, log) -> N
     folder = ckpt.save_adapter(engine, out, state.version)
     client.publish(state.version, folder)
     log(f"published v{state.version} to the server (it served v{served})")
+
+
+def build_beside_server(client, cfg: TandemConfig, shares_gpu: bool, build, log):
+    """Build the engine so that the two processes never peak together on a shared GPU: the server sleeps
+    while the learner builds (sync_server wakes it), and then the learner's frozen weights go to host RAM,
+    where they wait whenever the server is awake. Returns (engine, offload: whether they do)."""
+    offload = client is not None and shares_gpu and cfg.learner.offload_weights_while_generating
+    if client is not None and shares_gpu:
+        client.sleep()
+    engine = build()
+    offload = broadcast_object(offload)
+    if offload:
+        moved = move_frozen(engine.module, "cpu")
+        log(f"frozen weights ({moved / 2**30:.2f} GiB) in host RAM while the server generates")
+    return engine, offload

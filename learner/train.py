@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from learner import checkpoint as ckpt
+from learner import servers
 from learner.batch import is_degenerate
 from learner.client import Interrupted, ServerError
 from learner.engine import (
@@ -33,44 +34,6 @@ from learner.process import Stop, crash_point, keep_freed_memory, pin_threads
 from learner.servers import Pulled, Servers, ack, collect_or_stop, connect, release, sync_server
 from learner.step import batch_metrics, train_step
 from shared.config import TandemConfig, check_batch_size
-
-
-def _persist(engine, cfg: TandemConfig, out: Path, state: ckpt.State, pulled: Pulled, rank: int):
-    """Everything a step leaves on disk, in the order that makes a crash anywhere recoverable: adapter,
-    groups record, then the checkpoint that covers both (`latest` moves last). Returns the adapter
-    folder on rank 0, or the error message if a write failed on any rank."""
-    error, adapter = None, None
-    try:
-        if rank == 0:
-            ckpt.check_finite(engine, state.step)
-            adapter = ckpt.save_adapter(engine, out, state.version)
-            ckpt.record_groups(out, state.step, pulled.groups)
-    except ckpt.CheckpointError as e:
-        error = str(e)
-    error = broadcast_object(error)  # every rank saves, or none does
-    if error is None:
-        try:
-            ckpt.save(engine, out, state, rank, cfg.learner.keep_checkpoints, cfg.learner.checkpoint_every)
-        except ckpt.OutDirError as e:
-            error = str(e)
-        errors = [e for e in gather_objects(error) if e]
-        error = errors[0] if errors else None
-    return adapter, error
-
-
-def build_beside_server(client, cfg: TandemConfig, shares_gpu: bool, build, log):
-    """Build the engine so that the two processes never peak together on a shared GPU: the server sleeps
-    while the learner builds (sync_server wakes it), and then the learner's frozen weights go to host RAM,
-    where they wait whenever the server is awake. Returns (engine, offload: whether they do)."""
-    offload = client is not None and shares_gpu and cfg.learner.offload_weights_while_generating
-    if client is not None and shares_gpu:
-        client.sleep()
-    engine = build()
-    offload = broadcast_object(offload)
-    if offload:
-        moved = move_frozen(engine.module, "cpu")
-        log(f"frozen weights ({moved / 2**30:.2f} GiB) in host RAM while the server generates")
-    return engine, offload
 
 
 @dataclass
@@ -191,7 +154,7 @@ def _loop(run: _Run, state: ckpt.State) -> None:
 
         t_save = time.perf_counter()
         stopping = broadcast_object(run.stop.requested)  # rank 0 decides: no rank waits alone in a collective
-        adapter, error = _persist(engine, cfg, run.out, state, pulled, run.rank)
+        adapter, error = ckpt.persist_step(engine, cfg, run.out, state, pulled.groups, run.rank)
         if error is not None:
             if run.client is not None:  # not durably trained: the groups go back, and the server goes on
                 release(run.client, pulled.lease_ids)
@@ -239,7 +202,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
     shares_gpu = cfg.learner.placement == "timeslice" and not on_cpu
     client = connect(cfg, log, stop) if lead and not replay else None
     try:  # from here on the server may be asleep for us: whatever stops us must not leave it so
-        engine, offload = build_beside_server(
+        engine, offload = servers.build_beside_server(
             client, cfg, shares_gpu, lambda: build_engine(cfg, model_path, world, on_cpu), log
         )
         device = next(p.device for p in engine.module.parameters() if p.requires_grad)

@@ -21,8 +21,8 @@ DOC = REPO / "docs" / "configuration.md"
 
 HEADER = """# Configuration reference
 
-Generated from the fields' descriptions in `shared/config.py` by `scripts/config_reference.py`; do not edit
-by hand (the test suite fails when this page and the code differ).
+Generated from the fields' descriptions (`shared/config.py`, `task_config.py`, `process_config.py`) by
+`scripts/config_reference.py`; do not edit by hand (the test suite fails when this page and the code differ).
 
 A config is a TOML file with one table per section below (`[server.vllm]` for a nested one); every field
 can also be set on either process's command line as `--section.key=value` (a TOML value: `--lora.r=8`,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rollout_server.backend import Adapter
-from rollout_server.vllm_backend import _MergedWeights
+from rollout_server.engine_gates import MergedWeights
 from rollout_server.vllm_merge import MergeError, fused_group, merged, read_adapter
 from tests.fakes import tiny_adapter
 
@@ -68,7 +68,7 @@ class Engine:
         self.weights = adapter.version if adapter else 0
         self.log.append(f"switch->{self.weights}")
 
-    async def request(self, mw: _MergedWeights, version: int, done: asyncio.Event, name: str, every_s=0.0):
+    async def request(self, mw: MergedWeights, version: int, done: asyncio.Event, name: str, every_s=0.0):
         async with mw.of(Adapter(version, "p") if version else None, every_s):
             assert self.weights == version
             self.running.add(id(done))
@@ -81,7 +81,7 @@ class Engine:
 def test_requests_on_the_held_version_share_it_and_another_version_waits_for_them():
     async def scenario():
         e = Engine()
-        mw = _MergedWeights(e.switch)
+        mw = MergedWeights(e.switch)
         d1, d2, d3 = asyncio.Event(), asyncio.Event(), asyncio.Event()
         t1 = asyncio.create_task(e.request(mw, 1, d1, "a@1"))
         t2 = asyncio.create_task(e.request(mw, 1, d2, "b@1"))
@@ -116,7 +116,7 @@ def test_an_interrupted_switch_leaves_the_weights_unknown_and_the_next_request_s
             if len(calls) == 1:
                 raise RuntimeError("worker died mid-reload")
 
-        mw = _MergedWeights(switch)
+        mw = MergedWeights(switch)
         with pytest.raises(RuntimeError):
             async with mw.of(Adapter(2, "p")):
                 pass
@@ -134,7 +134,7 @@ def test_evaluation_switches_away_from_the_held_version_at_most_once_per_interva
 
     async def scenario():
         e = Engine()
-        mw = _MergedWeights(e.switch)
+        mw = MergedWeights(e.switch)
         done = [asyncio.Event() for _ in range(6)]
         for d in done:
             d.set()  # every request ends at once
@@ -173,7 +173,7 @@ def test_busy_production_and_rate_limited_evaluation_both_progress_in_batches():
             await asyncio.sleep(0.005)
             switches.append(adapter.version if adapter else 0)
 
-        mw = _MergedWeights(switch)
+        mw = MergedWeights(switch)
         stop = time.monotonic() + 1.2
 
         async def production():

@@ -1,0 +1,376 @@
+"""The processes' sections of the config: `server` (and `server.vllm`), and the learner's `lora`, `grpo`,
+`learner` and `deepspeed`. shared/config.py assembles them with the others into TandemConfig."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from shared.config_base import TOKEN_ENV, Section
+
+
+class VllmConfig(Section):
+    kv_cache_gib: float = Field(default=2.0, gt=0, description="CPU only: VLLM_CPU_KVCACHE_SPACE")
+    gpu_memory_utilization: float = Field(
+        default=0.35,
+        gt=0,
+        le=1,
+        description="CUDA only: vLLM's share of the GPU (weights + KV cache); time-sliced on one GPU it "
+        "leaves the rest to the learner",
+    )
+    enforce_eager: bool = Field(default=True, description="skip torch.compile/CUDA graphs: fast start")
+    enable_sleep_mode: bool = Field(
+        default=True,
+        description="CUDA only: free vLLM's GPU memory while the learner trains (time-sliced); ignored on "
+        "CPU",
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="sequences vLLM decodes at once at most")
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV cache block size in tokens; unset: vLLM's (128 on CPU). Prefix caching shares only "
+        "full blocks, so the G samples of a prompt shorter than a block each prefill it again; on CPU a "
+        "multiple of 32",
+    )
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU only: cores vLLM computes on (the first N this process may use). Default: all of "
+        "them; vLLM's own default keeps one for its scheduler, half of a 2-core machine (1.7x slower here). "
+        "In split placement on one machine, leave the learner its share",
+    )
+    eval_switch_every_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="merge mode: OpenAI-compatible requests for another version than the served one switch "
+        "the engine's weights at most this often (training first); those waiting run together then",
+    )
+
+
+class ServerConfig(Section):
+    backend: Literal["vllm", "hf"] = Field(
+        default="vllm",
+        description="'vllm' (the default; merged versions or vLLM's LoRA, server.vllm) or 'hf' (transformers"
+        " + peft: no vLLM needed, slower)",
+    )
+    host: str = Field(default="127.0.0.1", description="bind address; loopback unless told otherwise")
+    port: int = Field(default=8000, ge=1, le=65535, description="the port the server listens on")
+    api_token_env: str = Field(
+        default=TOKEN_ENV,
+        description="environment variable holding the bearer token for mutating endpoints (unset or empty "
+        "= no auth); the learner and the scripts send the token they find there",
+    )
+    queue_size: int = Field(
+        default=64,
+        ge=1,
+        description="max scored groups queued or leased; time-sliced, ~learner.prompts_per_step (the rest "
+        "goes stale while the learner trains)",
+    )
+    prompts_per_batch: int = Field(default=8, ge=1, description="prompts sent to the backend at once")
+    lease_s: float = Field(default=300.0, gt=0, description="un-acked groups return to the queue after this")
+    state_dir: str = Field(
+        default="runs/server", description="cursor, adapter store, and the queue a stopped server saved"
+    )
+    adapter_root: str | None = Field(default=None, description="folder publish-by-path may read under")
+    max_adapter_mb: float = Field(
+        default=512.0, gt=0, description="largest adapter a publish may upload or name (413 above it)"
+    )
+    max_lora_rank: int | None = Field(
+        default=None,
+        ge=1,
+        description="largest LoRA rank a published adapter may have (vLLM sizes its LoRA slots by it); "
+        "None: lora.r. Set, it must be >= lora.r",
+    )
+    max_generate_sequences: int = Field(
+        default=1024, ge=1, description="cap on prompts x n of one /v1/generate request"
+    )
+    generate_timeout_s: float = Field(
+        default=600.0, gt=0, le=86400, description="a /v1/generate request running longer gets 504"
+    )
+    openai_max_sequences: int = Field(
+        default=8,
+        ge=1,
+        description="sequences the OpenAI-compatible endpoints run in the engine at once (one per choice; "
+        "more wait): the rest of the engine's batch stays training production's",
+    )
+    openai_wait_s: float = Field(
+        default=120.0,
+        ge=0,
+        le=86400,
+        description="an OpenAI-compatible request to a sleeping server (time-sliced: the learner is "
+        "training) waits this long for the wake, then gets 503 with Retry-After",
+    )
+    max_request_mb: float = Field(
+        default=16.0, gt=0, description="largest body of a POST other than an adapter upload (413 above)"
+    )
+    shutdown_s: int = Field(
+        default=10,
+        ge=1,
+        le=600,
+        description="on SIGTERM: evaluation requests are cancelled at once, other requests get this long",
+    )
+    max_loras: int | None = Field(
+        default=None,
+        ge=1,
+        description="LoRA versions vLLM holds at once; None: learner.max_staleness + 1 in split placement "
+        "(every version a group may come from), else 2. Set, it must be at least that in split placement",
+    )
+    keep_versions: int | None = Field(
+        default=32,
+        ge=1,
+        description="published versions kept on disk (state_dir/adapters) for evaluation and the OpenAI "
+        "API: the newest this many, and every learner.checkpoint_every-th (those the learner keeps a "
+        "checkpoint of); older ones are deleted as new ones arrive. None keeps every version (a long "
+        "run then grows the disk by one adapter a step)",
+    )
+    adapter_mode: Literal["lora", "merge"] = Field(
+        default="lora",
+        description="how a version is served. 'lora': the adapter applied by the engine's LoRA layers; "
+        "'merge': its weights merged into the model's (W0 + alpha/r*B*A), decoding at the base model's "
+        "speed: vLLM holds one version's weights at a time (a request for another waits for the switch, "
+        "server.vllm.eval_switch_every_s), the hf backend a merged copy per loaded version",
+    )
+    seed: int = Field(default=0, description="the sampler's seed (vLLM's, or torch's in the hf backend)")
+    shard_index: int = Field(default=0, ge=0, description="this server's share of the prompts: those whose "
+                             "index in the dataset is shard_index modulo num_shards")  # fmt: skip
+    num_shards: int = Field(
+        default=1, ge=1, description="rollout servers splitting the prompts (each a different shard_index)"
+    )
+    vllm: VllmConfig = VllmConfig()
+
+
+class LoraConfig(Section):
+    r: int = Field(default=16, ge=1, description="LoRA rank of the adapter")
+    alpha: float = Field(
+        default=32.0, gt=0, description="LoRA scale numerator: the update is (alpha / r) * B @ A"
+    )
+    dropout: float = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="dropout on the LoRA branch in the learner's policy pass; > 0 adds noise to the ratio "
+        "against the sampler's log-probs, which had none",
+    )
+    target_modules: list[str] = Field(
+        default=["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="module names (peft's target_modules) the adapter is put on; the vLLM backend merges or "
+        "serves any linear layer of the decoder",
+    )
+
+
+STALE_TIS_CAP = 2.0  # grpo.tis_cap by default where groups are stale (split placement, lag_steps)
+
+
+class GRPOConfig(Section):
+    """Every numerical convention of the loss, named (DESIGN.md §4)."""
+
+    scale_rewards: Literal["group", "none"] = Field(
+        default="group", description="'group': divide by the group std (GRPO Eq. 3); 'none': Dr. GRPO"
+    )
+    std: Literal["population", "bessel"] = Field(
+        default="population", description="population std (correction=0) as in the paper; bessel = TRL"
+    )
+    baseline: Literal["mean", "rloo"] = Field(
+        default="mean",
+        description="what a completion's reward is compared with: the group 'mean' (GRPO), or 'rloo', the "
+        "mean of the others (leave-one-out)",
+    )
+    eps: float = Field(default=1e-6, ge=0, description="added to the std before dividing")
+    epsilon_low: float = Field(default=0.2, ge=0, lt=1, description="PPO clip: ratio >= 1 - epsilon_low")
+    epsilon_high: float = Field(default=0.2, ge=0, description="PPO clip: ratio <= 1 + epsilon_high (DAPO)")
+    beta: float = Field(default=0.04, ge=0, description="weight of the KL to the reference (GRPO Eq. 3)")
+    kl_estimator: Literal["k3", "k2", "k1"] = Field(default="k3", description="Schulman's k3 is unbiased")
+    aggregation: Literal["seq_mean_token_mean", "token_mean", "constant_norm"] = Field(
+        default="seq_mean_token_mean",
+        description="how token terms make the loss (DESIGN.md §4): 'seq_mean_token_mean' (GRPO Eq. 3), "
+        "'token_mean' (DAPO), 'constant_norm' (Dr. GRPO: sum / (sequences x max_new_tokens))",
+    )
+    dual_clip: float | None = Field(
+        default=2.0,
+        gt=1.0,
+        description="dual-clip floor (Ye et al. 2020; was grpo.is_cap): for a negative advantage the "
+        "surrogate is kept >= dual_clip·A, so a token whose ratio π/π_old is large (learner and sampler "
+        "kernels disagree) cannot dominate a step; None = off. Applies to loss = 'ppo_clip'",
+    )
+    old_logprobs: Literal["sampler", "recompute"] = Field(
+        default="sampler",
+        description="π_old of the ratio; unless set, 'recompute' with tis_cap = 2 where groups are stale "
+        "(learner.placement = 'split', or learner.lag_steps > 0: docs/benchmarks.md §12), else 'sampler'. "
+        "'sampler': the sampler's log-probs. 'recompute': the learner's own "
+        "at the step's weights, exact at no extra cost (every micro-batch of a step runs before its one "
+        "optimizer step, so π_old is the policy's log-probs detached); the sampler's stay the behaviour "
+        "policy that grpo.tis_cap corrects for (with both: AReaL's decoupled PPO)",
+    )
+    tis_cap: float | None = Field(
+        default=None,
+        gt=0,
+        description="truncated importance sampling: each token's term weighted by min(π_old / π_sampler, "
+        "tis_cap), no gradient, correcting for stale samples and sampler/learner kernel differences; needs "
+        "old_logprobs = 'recompute'. None = off",
+    )
+    tis_level: Literal["token", "sequence"] = Field(
+        default="token",
+        description="'token': a weight per token; 'sequence': one per sequence, the product of its tokens' "
+        "ratios, truncated at tis_cap",
+    )
+    ratio_level: Literal["token", "sequence"] = Field(
+        default="token",
+        description="'sequence': GSPO's ratio, exp(mean log π/π_old over the sequence), clipped per "
+        "sequence; its clip range is then GSPO's, epsilon_low = 3e-4 and epsilon_high = 4e-4, unless set",
+    )
+    loss: Literal["ppo_clip", "cispo"] = Field(
+        default="ppo_clip",
+        description="'ppo_clip': PPO's clipped surrogate; 'cispo' (MiniMax-M1): sg(clip(ρ, 1-epsilon_low, "
+        "1+epsilon_high))·A·log π, the weight clipped, the gradient never zeroed (dual_clip does not apply)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_clip_range(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("ratio_level") == "sequence":
+            data = {"epsilon_low": 3e-4, "epsilon_high": 4e-4, **data}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOConfig:
+        if self.tis_cap is not None and self.old_logprobs == "sampler":
+            raise ValueError(
+                "grpo.tis_cap needs grpo.old_logprobs = 'recompute' (with the sampler's log-probs as π_old "
+                "the weight π_old / π_sampler is always 1)"
+            )
+        if self.loss == "cispo" and "dual_clip" in self.model_fields_set and self.dual_clip is not None:
+            raise ValueError("grpo.dual_clip does not apply to grpo.loss = 'cispo' (unset one of them)")
+        return self
+
+
+class DeepSpeedConfig(Section):
+    zero_stage: int = Field(
+        default=2,
+        ge=0,
+        le=3,
+        description="DeepSpeed ZeRO stage (2: optimizer states and gradients sharded over the learner's "
+        "processes)",
+    )
+    offload_optimizer: bool = Field(
+        default=True,
+        description="keep the optimizer states in host RAM (ZeRO-Offload); with LoRA they are small",
+    )
+    gradient_clipping: float = Field(
+        default=1.0, ge=0, description="clip the gradients' global norm to this (0: no clipping)"
+    )
+    overrides: dict[str, Any] = Field(default={}, description="merged last into the DeepSpeed JSON config")
+
+
+class LearnerConfig(Section):
+    server_url: str = Field(
+        default="http://127.0.0.1:8000",
+        description="the rollout server the learner pulls from and publishes to (learner.server_urls: "
+        "several)",
+    )
+    server_urls: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        description="several rollout servers (each with its own server.shard_index); replaces server_url. "
+        "The learner pulls from all, skips one that is down and brings it to the current version when it "
+        "is back; it stops only when none answers for server_retry_s",
+    )
+    server_probe_s: float = Field(
+        default=5.0, gt=0, description="with server_urls: how often a server that is down is tried again"
+    )
+    placement: Literal["timeslice", "split"] = Field(
+        default="timeslice",
+        description="'timeslice': one device, the server sleeps while the learner trains (on-policy); "
+        "'split': both run at once on their own devices, groups up to max_staleness versions old",
+    )
+    steps: int = Field(
+        default=100,
+        ge=1,
+        description="optimizer steps (policy versions) to train; a resumed run continues up to this",
+    )
+    prompts_per_step: int = Field(default=2, ge=1, description="B; the step trains on B x G completions")
+    micro_batch_size: int = Field(default=1, ge=1, description="completions per forward/backward")
+    grad_accum: int | None = Field(
+        default=None,
+        ge=1,
+        description="micro-batches per optimizer step on each process; None (the default): derived, "
+        "B x G / (micro_batch_size x processes). A value set must equal that",
+    )
+    lr: float = Field(default=5e-5, gt=0, description="AdamW learning rate of the LoRA weights (constant)")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay")
+    max_staleness: int = Field(default=0, ge=0, description="drop groups more than this many versions old")
+    lag_steps: int = Field(
+        default=0,
+        ge=0,
+        description="experiments: train each step on the groups pulled lag_steps steps earlier, so that they "
+        "are exactly that many versions stale (step s trains version max(0, s-1-lag_steps)'s groups), to "
+        "measure off-policy corrections without depending on timing; 0 = off. The held-back groups stay "
+        "leased (raise server.lease_s past lag_steps steps); a resume gives them back",
+    )
+    dynamic_sampling: bool = Field(default=True, description="DAPO: drop zero-std groups, pull more")
+    max_pull_rounds: int = Field(default=8, ge=1, description="bound on extra pulls to fill a batch")
+    pull_wait_s: float = Field(
+        default=60.0, gt=0, description="how long one pull waits on the server for groups before asking again"
+    )
+    logprob_chunk_size: int = Field(default=256, ge=1, description="tokens per log-softmax chunk")
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="recompute activations in the backward pass: less memory, ~1/3 more compute",
+    )
+    shared_prompt: bool = Field(
+        default=True,
+        description="encode each prompt once for all of its group's completions in a micro-batch (one packed "
+        "row, block attention mask) and compute logits only where a token is scored; false: one padded row "
+        "per completion with full logits, the reference path",
+    )
+    offload_weights_while_generating: bool = Field(
+        default=True,
+        description="timeslice placement on a GPU: the frozen base weights wait in host RAM while the server "
+        "generates, so vLLM's share of the GPU is free for it (no effect on CPU or in split placement)",
+    )
+    out_dir: str = Field(
+        default="runs/learner",
+        description="checkpoints, metrics.jsonl, groups.jsonl, TensorBoard and config.json of the run",
+    )
+    checkpoint_every: int = Field(
+        default=10,
+        ge=1,
+        description="a checkpoint is written after every step (before its groups are acked, so a resume "
+        "never loses or repeats a group); every checkpoint_every-th one is kept for good",
+    )
+    keep_checkpoints: int = Field(
+        default=2,
+        ge=1,
+        description="the newest checkpoints kept besides the checkpoint_every-th ones; the published "
+        "adapters in out_dir/adapters are kept the same way",
+    )
+    min_free_mb: float = Field(
+        default=200.0, ge=0, description="refuse to start when learner.out_dir has less free space"
+    )
+    connect_timeout_s: float = Field(default=300.0, gt=0, description="wait this long for the server")
+    server_retry_s: float = Field(
+        default=900.0,
+        ge=0,
+        description="once connected, keep retrying an unreachable server (backoff up to 30 s) this long "
+        "before giving up; covers a server restart (its engine start included)",
+    )
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU only: cores each learner process computes on (torch threads), pinned to the last "
+        "N it may use, so that a server on the same machine with server.vllm.cpu_threads (the first N) "
+        "does not fight it for cores in split placement. Default: torch's own choice (OMP_NUM_THREADS)",
+    )
+    replay_file: str | None = Field(
+        default=None,
+        description="train on the groups recorded in a previous run's groups.jsonl instead of a server "
+        "(offline: debugging, and checking that N processes reproduce 1)",
+    )
+    seed: int = Field(default=0, description="the LoRA initialisation's seed")
+
+    @model_validator(mode="after")
+    def _check(self) -> LearnerConfig:
+        if self.lag_steps and self.replay_file:
+            raise ValueError("learner.lag_steps does not apply to learner.replay_file (unset one of them)")
+        return self

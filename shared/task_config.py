@@ -1,0 +1,197 @@
+"""The task's sections of the config: `data` (which problems), `reward` (how a completion is scored) and
+`env` (what an episode is: one completion, or turns of the model and an environment). Read by the server;
+shared/config.py assembles them with the others into TandemConfig."""
+
+from __future__ import annotations
+
+import math
+from string import Formatter
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from shared.config_base import Section
+
+
+class DataConfig(Section):
+    task: Literal["gsm8k", "arith", "custom", "reasoning_gym"] = Field(
+        default="gsm8k",
+        description="'gsm8k', 'arith' (generated word problems), 'custom': your own dataset, read from "
+        "data.path or the hub (data.hub_id) with the column mapping below, or 'reasoning_gym': a "
+        "reasoning-gym task (data.rg_task) or mix (data.rg_mix), generated offline from data.seed and scored "
+        "by the task's own score_answer (reward 'reasoning_gym')",
+    )
+    path: str | None = Field(
+        default=None,
+        description="gsm8k: a folder holding {train,test}.jsonl. custom: a .jsonl/.json/.csv/.parquet file "
+        "(it is the data.split split) or a folder holding <split>.<ext> files. None = load data.hub_id",
+    )
+    hub_id: str = Field(default="openai/gsm8k", description="the hub dataset read when data.path is None")
+    hub_config: str | None = Field(default=None, description="the hub dataset's config; gsm8k: 'main'")
+    split: str = Field(default="train", description="the split the server samples training prompts from")
+    eval_split: str = Field(default="test", description="the split learner.evaluate scores")
+    seed: int = Field(
+        default=0,
+        description="the order prompts are served in (a fresh permutation each epoch); 'arith': the problems"
+        " generated",
+    )
+    arith_difficulty: int = Field(default=2, ge=1, le=6, description="'arith' task: operands/size knob")
+    arith_size: int = Field(default=5000, ge=10, description="'arith' task: problems in the train split")
+    rg_task: str | None = Field(
+        default=None, description="'reasoning_gym': the task's name, e.g. 'basic_arithmetic', 'leg_counting'"
+    )
+    rg_mix: dict[str, float] | None = Field(
+        default=None,
+        description="'reasoning_gym': a weighted mix instead of rg_task, {task name: weight}, e.g. "
+        "{leg_counting = 1, basic_arithmetic = 2}",
+    )
+    rg_config: dict[str, Any] = Field(
+        default={},
+        description="'reasoning_gym': the task's config fields (reasoning-gym's <Task>Config), e.g. "
+        "{min_terms = 2, max_terms = 3}; with rg_mix, {task name: {fields}}",
+    )
+    rg_size: int = Field(default=5000, ge=1, description="'reasoning_gym': problems in the train split")
+    rg_eval_size: int = Field(default=200, ge=1, description="'reasoning_gym': problems in the test split")
+    prompt_column: str = Field(default="prompt", description="custom: the column holding the prompt text")
+    messages_column: str | None = Field(
+        default=None,
+        description="custom: a column holding a chat [{role, content}, ...] list to use instead of "
+        "prompt_column (data.prompt_template is then not applied)",
+    )
+    answer_column: str | None = Field(
+        default="answer", description="custom: the reference answer handed to the reward; None = no answer"
+    )
+    id_column: str | None = Field(
+        default=None,
+        description="custom: a column of unique ids; None = '<split>-<row index>'. Ids "
+        "must stay stable: resume and the server's cursor rely on them",
+    )
+    system_prompt: str | None = Field(default=None, description="a system message put before each prompt")
+    prompt_template: str | None = Field(
+        default=None,
+        description="the user message, a Python format string over {prompt} and the row's columns, e.g. "
+        "'{prompt}\\n\\nAnswer after ####.' (write {{ }} for literal braces). None: gsm8k/arith add their "
+        "instruction to end with '#### <answer>'; custom uses the prompt as it is",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        rg = [f for f in ("rg_task", "rg_mix") if getattr(self, f) is not None]
+        if self.task == "reasoning_gym" and len(rg) != 1:
+            raise ValueError(
+                "data.task = 'reasoning_gym' needs one of data.rg_task (a task's name) or data.rg_mix"
+            )
+        if self.task != "reasoning_gym" and (rg or self.rg_config):
+            raise ValueError(f"data.{(rg or ['rg_config'])[0]} applies to data.task = 'reasoning_gym' only")
+        if self.rg_mix is not None:
+            if not self.rg_mix or any(w <= 0 for w in self.rg_mix.values()):
+                raise ValueError("data.rg_mix: give each task a weight > 0, e.g. {leg_counting = 1}")
+            if unknown := set(self.rg_config) - set(self.rg_mix):
+                raise ValueError(
+                    f"data.rg_config: {sorted(unknown)} not in data.rg_mix ({{task: {{fields}}}})"
+                )
+        if self.prompt_template is not None:
+            try:
+                fields = [f for _, f, _, _ in Formatter().parse(self.prompt_template) if f is not None]
+            except ValueError as e:
+                msg = f"data.prompt_template: {e} (write {{{{ and }}}} for literal braces)"
+                raise ValueError(msg) from None
+            if any(not f or not f.isidentifier() for f in fields):
+                raise ValueError("data.prompt_template: every {field} must name a column, e.g. {prompt}")
+        return self
+
+
+class RewardConfig(Section):
+    functions: list[str] = Field(
+        default=["gsm8k"],
+        min_length=1,
+        description="reward functions: built-in names ('gsm8k': the GSM8K verifier; 'math': math-verify for "
+        "LaTeX/\\boxed{} answers; 'r1_format': <think>...</think> then an answer) or 'module:function' / "
+        "'path/to/file.py:function' for your own, called as f(completion, answer, prompt, metadata) -> float "
+        "(plain or async)",
+    )
+    weights: list[float] | None = Field(
+        default=None, description="one weight per function; the reward is the weighted sum. None = all 1"
+    )
+    timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="per call: a function still running is killed and gives 0 (counted in /metrics)",
+    )
+    truncated: Literal["score", "zero"] = Field(
+        default="score",
+        description="a completion stopped by sampling.max_new_tokens: 'score' it like any other, or give it "
+        "'zero' from every function (its answer was never finished, and a verifier that falls back to the "
+        "last number would credit a half-written line). Training only: learner.evaluate scores as usual",
+    )
+    workers: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="processes that run the functions other than the linear-time built-ins (gsm8k, "
+        "r1_format), so a hanging or crashing one can be killed without touching the server",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        if self.weights is not None:
+            if len(self.weights) != len(self.functions):
+                raise ValueError(
+                    f"reward.weights has {len(self.weights)} values for {len(self.functions)} "
+                    "reward.functions; give one weight per function"
+                )
+            if not all(math.isfinite(w) for w in self.weights):
+                raise ValueError("reward.weights must be finite numbers")
+        return self
+
+
+class EnvConfig(Section):
+    """What an episode is: one completion (single_turn), or turns of the model and an environment."""
+
+    kind: Literal["single_turn", "multi_turn", "tools"] = Field(
+        default="single_turn",
+        description="'single_turn': G completions of each prompt (no environment); 'multi_turn': after each "
+        "model turn env.step answers, until it says the episode is done; 'tools': the model may call "
+        "env.tools, each call's result comes back as a tool message, and a turn without a call ends it",
+    )
+    step: str | None = Field(
+        default=None,
+        description="multi_turn: 'module:function' or 'path/to/file.py:function', called as "
+        "step(messages, answer, metadata) -> (reply, done) (plain or async) after each model turn; "
+        "messages is the conversation so far, reply a string (a user message), a message dict, a list of "
+        "them or None; runs where reward functions run, with reward.timeout_s",
+    )
+    tools: list[str] = Field(
+        default=[],
+        description="tools: 'module:function' / 'path/to/file.py:function' entries; a function's signature "
+        "and Google-style docstring become its schema. The model calls one with "
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call>',
+    )
+    max_turns: int = Field(default=4, ge=1, le=64, description="model turns per episode at most")
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="tokens after the prompt per episode, the model's and the environment's together; "
+        "None: up to model.max_model_len. An episode that reaches it ends (finish_reason 'length')",
+    )
+
+    @property
+    def fields(self) -> list[tuple[str, str]]:
+        """(config field, 'module:function') of each of the environment's functions: env.step, or each of
+        env.tools; none for single_turn."""
+        if self.kind == "multi_turn":
+            return [("env.step", self.step)]
+        return [(f"env.tools[{i}]", spec) for i, spec in enumerate(self.tools)]
+
+    @model_validator(mode="after")
+    def _check(self) -> EnvConfig:
+        if self.kind == "multi_turn" and not self.step:
+            raise ValueError("env.kind = 'multi_turn' needs env.step = 'module:function'")
+        if self.kind == "tools" and not self.tools:
+            raise ValueError("env.kind = 'tools' needs env.tools = ['module:function', ...]")
+        if self.kind != "multi_turn" and self.step:
+            raise ValueError(f"env.step is for env.kind = 'multi_turn', not '{self.kind}'")
+        if self.kind != "tools" and self.tools:
+            raise ValueError(f"env.tools is for env.kind = 'tools', not '{self.kind}'")
+        return self
