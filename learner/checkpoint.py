@@ -2,7 +2,7 @@
 
 out_dir/
   adapters/v<N>/                 published adapters (peft format), what the server was sent: the newest
-                                 keep_checkpoints and every checkpoint_every-th version
+                                 keep_checkpoints and every keep_every-th version
   checkpoints/step-<k>/          ds/ (LoRA weights + optimizer state, per rank), rng-rank<r>.pt,
                                  state.json (step, policy version, leases not yet acked), config.json
   checkpoints/latest             name of the newest complete checkpoint
@@ -13,7 +13,7 @@ out_dir/
 A checkpoint is written after every step, before that step's groups are acked: an ack is never sent for
 training that no checkpoint holds, so a learner killed at any point resumes without losing or repeating
 a group. Only trainable weights and their optimizer state are saved (a few MB for LoRA). The newest
-`learner.keep_checkpoints` are kept, and every `learner.checkpoint_every`-th one for good.
+`learner.keep_checkpoints` are kept, and every `learner.keep_every`-th one for good.
 
 Every file read back is checked; a bad one raises CheckpointError naming it and saying what to do.
 """
@@ -355,7 +355,7 @@ def persist_step(engine, cfg: TandemConfig, out: Path, state: State, groups: lis
     error = broadcast_object(error)  # every rank saves, or none does
     if error is None:
         try:
-            save(engine, out, state, rank, cfg.learner.keep_checkpoints, cfg.learner.checkpoint_every)
+            save(engine, out, state, rank, cfg.learner.keep_checkpoints, cfg.learner.keep_every)
         except OutDirError as e:
             error = str(e)
         errors = [e for e in gather_objects(error) if e]

@@ -78,7 +78,7 @@ class Server:
             self.store,
             lambda f: validate_folder(f, **self.adapter_checks),
             keep=cfg.server.keep_versions,
-            keep_every=cfg.learner.checkpoint_every,
+            keep_every=cfg.learner.keep_every,
         )
         self.queue = LeaseQueue(cfg.server.queue_size, cfg.server.lease_s)
         self.journal = Journal(state_dir / "queue.jsonl", cfg.model.name)

@@ -3,7 +3,7 @@
 Versions only move forward. A publish is checked and stored first, then loaded into the engine under
 its own name, and only then switched to; if any step fails the served version is unchanged. The version
 it replaces is unloaded as soon as no generation in flight still uses it. Stored versions beyond
-server.keep_versions are deleted (except every learner.checkpoint_every-th), so the disk does not grow by
+server.keep_versions are deleted (except every learner.keep_every-th), so the disk does not grow by
 an adapter a step.
 """
 

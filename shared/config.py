@@ -157,6 +157,7 @@ RENAMED = {
     "grpo.is_cap": "grpo.dual_clip",
     "learner.api_token_env": "server.api_token_env",  # one token, one variable naming it
     "server.vllm.adapter_mode": "server.adapter_mode",  # one setting for both backends
+    "learner.checkpoint_every": "learner.keep_every",  # it says which checkpoints are kept for good
     "server.hf_merge_adapters": "server.adapter_mode = 'merge' (true) or 'lora' (false)",
 }
 

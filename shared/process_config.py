@@ -120,7 +120,7 @@ class ServerConfig(Section):
         default=32,
         ge=1,
         description="published versions kept on disk (state_dir/adapters) for evaluation and the OpenAI "
-        "API: the newest this many, and every learner.checkpoint_every-th (those the learner keeps a "
+        "API: the newest this many, and every learner.keep_every-th (those the learner keeps a "
         "checkpoint of); older ones are deleted as new ones arrive. None keeps every version (a long "
         "run then grows the disk by one adapter a step)",
     )
@@ -333,16 +333,16 @@ class LearnerConfig(Section):
         default="runs/learner",
         description="checkpoints, metrics.jsonl, groups.jsonl, TensorBoard and config.json of the run",
     )
-    checkpoint_every: int = Field(
+    keep_every: int = Field(
         default=10,
         ge=1,
         description="a checkpoint is written after every step (before its groups are acked, so a resume "
-        "never loses or repeats a group); every checkpoint_every-th one is kept for good",
+        "never loses or repeats a group); every keep_every-th one is kept for good",
     )
     keep_checkpoints: int = Field(
         default=2,
         ge=1,
-        description="the newest checkpoints kept besides the checkpoint_every-th ones; the published "
+        description="the newest checkpoints kept besides the keep_every-th ones; the published "
         "adapters in out_dir/adapters are kept the same way",
     )
     min_free_mb: float = Field(

@@ -2,7 +2,7 @@
 (HF backend: it restarts in seconds, and the behaviour under test is the processes', not the engine's;
 the vLLM server gets the adapter checks in test_server_e2e.py) and SmolLM2-135M, on loopback.
 
-- the learner SIGKILLed at three points of a step, with checkpoint_every = 10, resumes and trains every
+- the learner SIGKILLed at three points of a step, with keep_every = 10, resumes and trains every
   group exactly once; a resume that finds the server ahead of its checkpoint reconciles both;
 - a disk that fills and an out_dir that turns read-only mid-run: one line, the server awake, and --resume
   completes;
@@ -52,7 +52,7 @@ SERVER = [
 ]
 LEARNER = [
     *SMALL_LEARNER,
-    "--learner.checkpoint_every=10",  # the shipped value: kills fall between the kept checkpoints
+    "--learner.keep_every=10",  # the shipped value: kills fall between the kept checkpoints
     "--learner.server_retry_s=60",
 ]
 
@@ -89,7 +89,7 @@ def test_learner_killed_at_each_point_of_a_step_resumes_and_trains_every_group_o
     out, state_dir = tmp_path / "run", tmp_path / "server"
 
     # (kill point, step): after the checkpoint and before the ack; between ack and publish; after the
-    # publish (the server asleep at the new version). checkpoint_every = 10: none of these is a kept one.
+    # publish (the server asleep at the new version). keep_every = 10: none of these is a kept one.
     served_after = {"before_ack": 0, "before_publish": 1, "after_publish": 3}
     for n, (point, step) in enumerate([("before_ack", 1), ("before_publish", 2), ("after_publish", 3)]):
         resume = ["--resume"] if n else []

@@ -33,7 +33,7 @@ SERVER = [
     "--server.queue_size=4",
     "--server.lease_s=300",
 ]
-LEARNER = [*SMALL_LEARNER, "--learner.checkpoint_every=1", "--learner.server_retry_s=600"]
+LEARNER = [*SMALL_LEARNER, "--learner.keep_every=1", "--learner.server_retry_s=600"]
 
 
 def _learner(url: str, out: Path, extra: list[str], log: Path) -> Proc:

@@ -35,7 +35,7 @@ SERVER = [
 ]
 LEARNER = [
     *SMALL_LEARNER,
-    "--learner.checkpoint_every=1",
+    "--learner.keep_every=1",
     "--learner.server_retry_s=600",
     "--learner.server_probe_s=2",
     # Split: the servers generate while the learner trains. Time-sliced, every step's sleep aborts the

@@ -278,9 +278,7 @@ def test_resume_after_sigkill_trains_every_leased_group_exactly_once(fresh_serve
     out = tmp_path / "run"
     events_file = tmp / "server" / "events.jsonl"
     started = time.time()
-    first = learner(
-        client.url, out, ["--learner.steps=4", "--learner.checkpoint_every=1"], tmp_path / "1.log"
-    )
+    first = learner(client.url, out, ["--learner.steps=4", "--learner.keep_every=1"], tmp_path / "1.log")
     spawned.append(first)
     # Kill during step 3's training phase: after the step-2 checkpoint and step 3's sleep, when step 3's
     # groups are leased and not acked.
@@ -306,7 +304,7 @@ def test_resume_after_sigkill_trains_every_leased_group_exactly_once(fresh_serve
     assert unacked, "step 3's groups should have been leased and not acked"
 
     second = learner(
-        client.url, out, ["--learner.steps=4", "--learner.checkpoint_every=1", "--resume"], tmp_path / "2.log"
+        client.url, out, ["--learner.steps=4", "--learner.keep_every=1", "--resume"], tmp_path / "2.log"
     )
     spawned.append(second)
     assert second.wait(timeout=900) == 0, second.log()[-5000:]

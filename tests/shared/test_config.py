@@ -275,6 +275,10 @@ def test_every_field_is_described_and_the_reference_page_is_current():
     [
         (["grpo.is_cap=3"], "invalid config: grpo.is_cap: renamed: use grpo.dual_clip"),
         (
+            ["learner.checkpoint_every=5"],
+            "invalid config: learner.checkpoint_every: renamed: use learner.keep_every",
+        ),
+        (
             ["server.vllm.adapter_mode=merge"],
             "invalid config: server.vllm.adapter_mode: renamed: use server.adapter_mode",
         ),
