@@ -39,6 +39,7 @@ from rollout_server.adapters import (
     validate_folder,
 )
 from rollout_server.backend import GenerationAborted, RolloutBackend
+from rollout_server.deps import server_of
 from rollout_server.evaluation import OpenAIState
 from rollout_server.events import EventLog
 from rollout_server.guard import RequestGuard
@@ -59,7 +60,7 @@ MAX_CONFIG_BYTES = 2**16  # adapter_config.json: peft writes about 1 KB
 
 
 class Server:
-    """The server's parts, built in the app's lifespan; the routes reach them through `srv`."""
+    """The server's parts, built in the app's lifespan; the routes reach them through `deps.server_of`."""
 
     def __init__(self, cfg: TandemConfig, backend: RolloutBackend, problems: list[Problem], model_path: str):
         self.cfg = cfg
@@ -265,12 +266,8 @@ async def _lease_error(request: Request, exc: LeaseError):
 router = APIRouter()
 
 
-def srv(request: Request) -> Server:
-    return request.app.state.server
-
-
 @router.get("/health", response_model=P.Health)
-async def health(s: Server = Depends(srv)):
+async def health(s: Server = Depends(server_of)):
     if s.failure:
         raise HTTPException(503, s.failure)
     return P.Health(
@@ -285,12 +282,12 @@ async def health(s: Server = Depends(srv)):
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(s: Server = Depends(srv)):
+async def metrics(s: Server = Depends(server_of)):
     return PlainTextResponse(s.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
 @router.post("/v1/groups/pull", response_model=P.PullResponse)
-async def pull(req: P.PullRequest, s: Server = Depends(srv)):
+async def pull(req: P.PullRequest, s: Server = Depends(server_of)):
     # Asleep with nothing queued, no group can come before a wake: answer now rather than hold the
     # connection for wait_s.
     wait_s = 0.0 if s.producer.sleeping and s.queue.depth == 0 else req.wait_s
@@ -305,14 +302,14 @@ async def pull(req: P.PullRequest, s: Server = Depends(srv)):
 
 
 @router.post("/v1/groups/ack", response_model=P.AckResponse)
-async def ack(req: P.AckRequest, s: Server = Depends(srv)):
+async def ack(req: P.AckRequest, s: Server = Depends(server_of)):
     acked = await s.queue.ack(req.lease_id)
     s.events.write("ack", lease_id=req.lease_id, acked=acked)
     return P.AckResponse(acked=acked)
 
 
 @router.post("/v1/groups/release", response_model=P.ReleaseResponse)
-async def release(req: P.ReleaseRequest, s: Server = Depends(srv)):
+async def release(req: P.ReleaseRequest, s: Server = Depends(server_of)):
     lease_id = req.lease_id if req.request_id is None else s.queue.lease_of(req.request_id)
     if lease_id is None:  # that pull got no lease, or it was settled since
         return P.ReleaseResponse(released=0)
@@ -327,7 +324,7 @@ async def publish_upload(
     version: int = Form(ge=1, le=P.MAX_VERSION, alias=P.UPLOAD_VERSION_FIELD),
     config_file: UploadFile = File(alias=P.UPLOAD_CONFIG_FIELD, description=P.ADAPTER_CONFIG_FILE),
     weights_file: UploadFile = File(alias=P.UPLOAD_WEIGHTS_FIELD, description=P.ADAPTER_WEIGHTS_FILE),
-    s: Server = Depends(srv),
+    s: Server = Depends(server_of),
 ):
     config_bytes = await _read(config_file, MAX_CONFIG_BYTES)
     weights_bytes = await _read(weights_file, int(s.cfg.server.max_adapter_mb * 2**20))
@@ -335,7 +332,7 @@ async def publish_upload(
 
 
 @router.post("/v1/adapters/path", response_model=P.AdapterPublished)
-async def publish_path(req: P.AdapterPathRequest, s: Server = Depends(srv)):
+async def publish_path(req: P.AdapterPathRequest, s: Server = Depends(server_of)):
     folder = resolve_under(s.cfg.server.adapter_root, req.path)
     files = {}
     for name in (P.ADAPTER_CONFIG_FILE, P.ADAPTER_WEIGHTS_FILE):
@@ -398,7 +395,7 @@ async def _engine(s: Server):
 
 
 @router.post("/v1/sleep", response_model=P.SleepState)
-async def sleep(s: Server = Depends(srv)):
+async def sleep(s: Server = Depends(server_of)):
     if not s.producer.sleeping:
         async with _engine(s):
             await s.producer.sleep()
@@ -406,7 +403,7 @@ async def sleep(s: Server = Depends(srv)):
 
 
 @router.post("/v1/wake", response_model=P.SleepState)
-async def wake(s: Server = Depends(srv)):
+async def wake(s: Server = Depends(server_of)):
     if s.producer.sleeping:
         async with _engine(s):
             await s.producer.wake()

@@ -5,17 +5,14 @@ shared/protocol.py; neither runs while the server sleeps (409)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException
 
+from rollout_server.deps import server_of
 from rollout_server.evaluation import bounded
 from shared import protocol as P
 from shared.datasets import render
 
 router = APIRouter()
-
-
-def srv(request: Request):  # the app's Server (rollout_server/app.py)
-    return request.app.state.server
 
 
 def _check_awake(s) -> None:
@@ -24,7 +21,7 @@ def _check_awake(s) -> None:
 
 
 @router.post("/v1/generate", response_model=P.GenerateResponse)
-async def generate(req: P.GenerateRequest, s=Depends(srv)):
+async def generate(req: P.GenerateRequest, s=Depends(server_of)):
     _check_awake(s)
     cfg = s.cfg
     if req.count * req.n > cfg.server.max_generate_sequences:
@@ -65,7 +62,7 @@ async def generate(req: P.GenerateRequest, s=Depends(srv)):
 
 
 @router.post("/v1/score", response_model=P.ScoreResponse)
-async def score(req: P.ScoreRequest, s=Depends(srv)):
+async def score(req: P.ScoreRequest, s=Depends(server_of)):
     _check_awake(s)
     ids = req.prompt_token_ids + req.completion_token_ids
     if len(ids) > s.cfg.model.max_model_len:

@@ -29,11 +29,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from rollout_server.backend import GenerationAborted, Piece, TokenLogprob
+from rollout_server.deps import server_of
 from rollout_server.evaluation import (
     Choice,
     check_length,
@@ -92,12 +93,8 @@ async def _stream_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
 router = APIRouter(tags=["OpenAI-compatible"])
 
 
-def _srv(request: Request):
-    return request.app.state.server
-
-
 @router.get("/v1/models", response_model=ModelList)
-async def list_models(s=Depends(_srv)):
+async def list_models(s=Depends(server_of)):
     now = int(time.time())
     limit = s.cfg.model.max_model_len
     base = ModelCard(id=BASE, created=now, root=s.cfg.model.name, max_model_len=limit)
@@ -194,7 +191,7 @@ class _CompletionPlan:
 
 
 @router.post("/v1/completions", response_model=Completion, responses=ERRORS)
-async def completions(req: CompletionRequest, s=Depends(_srv)):
+async def completions(req: CompletionRequest, s=Depends(server_of)):
     plan = _CompletionPlan(s, req)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if not req.stream:
@@ -233,7 +230,7 @@ async def completions(req: CompletionRequest, s=Depends(_srv)):
 
 # -- /v1/chat/completions ----------------------------------------------------------------------------
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
-async def chat_completions(req: ChatRequest, s=Depends(_srv)):
+async def chat_completions(req: ChatRequest, s=Depends(server_of)):
     adapter, model = resolve(s, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs = true", "top_logprobs")

@@ -70,10 +70,44 @@ def validation_error(errors: list[dict]) -> OpenAIError:
 
 
 # -- requests ----------------------------------------------------------------------------------------
-def _no_op(value: Any, allowed: tuple, name: str) -> Any:
-    if value is not None and value not in allowed:
-        raise ValueError(f"{name} = {value!r} is not supported by this server (only {allowed[0]!r})")
+# Fields both APIs accept only with the value that changes nothing (or null, or left out): name -> values.
+NO_OPS: dict[str, tuple] = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "response_format": ({"type": "text"},),
+    "tool_choice": ("none",),
+    "tools": ([],),
+    "top_k": (-1, 0),
+    "min_p": (0, 0.0),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "include_stop_str_in_output": (False,),
+    "prompt_logprobs": (),
+    "reasoning_effort": (),
+}
+
+
+def is_no_op(name: str, value: Any) -> bool:
+    return value is None or (name in NO_OPS and value in NO_OPS[name])
+
+
+def _no_op(value: Any, name: str) -> Any:
+    if not is_no_op(name, value):
+        raise ValueError(f"{name} = {value!r} is not supported by this server (only {NO_OPS[name][0]!r})")
     return value
+
+
+def stop_list(value: Any) -> list[str]:
+    """`stop` as both APIs take it: null, one string, or a list of at most MAX_STOP non-empty strings."""
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop sequences")
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError("a stop sequence is empty")
+    return stops
 
 
 class _Request(BaseModel):
@@ -95,22 +129,17 @@ class _Request(BaseModel):
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
     def _penalty(cls, v, info):
-        return _no_op(v, (0, 0.0), info.field_name)
+        return _no_op(v, info.field_name)
 
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v, info):
-        return _no_op(v, ({},), info.field_name)
+        return _no_op(v, info.field_name)
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("a stop sequence is empty")
-        return stops
+        return stop_list(v)
 
     def text_request(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None):
         return TextRequest(
@@ -141,7 +170,7 @@ class CompletionRequest(_Request):
     @field_validator("suffix")
     @classmethod
     def _suffix(cls, v, info):
-        return _no_op(v, ("",), info.field_name)
+        return _no_op(v, info.field_name)
 
 
 class ContentPart(BaseModel):
@@ -174,17 +203,17 @@ class ChatRequest(_Request):
     @field_validator("response_format")
     @classmethod
     def _format(cls, v, info):
-        return _no_op(v, ({"type": "text"},), info.field_name)
+        return _no_op(v, info.field_name)
 
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, v, info):
-        return _no_op(v, ("none",), info.field_name)
+        return _no_op(v, info.field_name)
 
     @field_validator("tools")
     @classmethod
     def _tools(cls, v, info):
-        return _no_op(v, ([],), info.field_name)
+        return _no_op(v, info.field_name)
 
 
 _Request.model_rebuild()

@@ -28,28 +28,24 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout_server.backend import TextRequest
+from rollout_server.deps import server_of
 from rollout_server.evaluation import check_length, check_sequences, collect, resolve, sequence
-from rollout_server.openai_schema import ERRORS, MAX_LOGPROBS, MAX_STOP, OpenAIError, Usage
+from rollout_server.openai_schema import (
+    ERRORS,
+    MAX_LOGPROBS,
+    MAX_STOP,
+    OpenAIError,
+    Usage,
+    is_no_op,
+    stop_list,
+)
 
 RECORDS = 65_536  # choices kept for checking: minutes of rollouts at any batch size this server runs
 IGNORED = ("seed", "skip_special_tokens", "spaces_between_special_tokens", "detokenize")
-# fields that are accepted only with the value that changes nothing: (name, the no-op values)
-NO_OPS = {
-    "top_k": (None, -1, 0),
-    "min_p": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "min_tokens": (None, 0),
-    "ignore_eos": (None, False),
-    "include_stop_str_in_output": (None, False),
-    "prompt_logprobs": (None,),
-    "reasoning_effort": (None,),
-}
 
 
 class SamplingParams(BaseModel):
@@ -68,17 +64,14 @@ class SamplingParams(BaseModel):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, v):
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if any(not isinstance(x, str) or not x for x in stops):
-            raise ValueError("a stop sequence is empty")
-        return stops
+        return stop_list(v)
 
     def unsupported(self) -> str | None:
         """The first extra field this server cannot honour, as `name = value`; None if there is none."""
         for name, value in (self.model_extra or {}).items():
             if name in IGNORED:
                 continue
-            if name not in NO_OPS or value not in NO_OPS[name]:
+            if not is_no_op(name, value):
                 return name
         return None
 
@@ -215,16 +208,12 @@ class Records:
 router = APIRouter(tags=["token-in/token-out"])
 
 
-def _srv(request: Request):
-    return request.app.state.server
-
-
 def _entry(token_id: int, logprob: float, rank: int | None = None) -> dict[str, Any]:
     return {"token_id": token_id, "token": f"token_id:{token_id}", "logprob": logprob, "rank": rank}
 
 
 @router.post("/inference/v1/generate", response_model=TokensResponse, responses=ERRORS)
-async def generate(req: TokensRequest, s=Depends(_srv)):
+async def generate(req: TokensRequest, s=Depends(server_of)):
     sp = req.sampling_params
     if bad := sp.unsupported():
         value = sp.model_extra[bad]

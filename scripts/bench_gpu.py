@@ -239,10 +239,12 @@ def _root(pid: int, roots: dict[int, str]) -> str:
 
 
 class Sampler:
-    """Samples (time, MiB per role, MiB used on the GPU) every `interval_s` in a thread."""
+    """Samples (time, MiB per role, MiB used on the GPU) every `interval_s` in a thread. On a GPU the
+    processes outside the run's roles are counted too (as "other": what else holds the card); on the CPU
+    rehearsal they are every process on the machine, so they are left out."""
 
-    def __init__(self, roots: dict[int, str], probe=_gpu_processes, interval_s: float = 0.2):
-        self.roots, self.probe, self.interval_s = roots, probe, interval_s
+    def __init__(self, roots: dict[int, str], probe=_gpu_processes, count_others=True, interval_s=0.2):
+        self.roots, self.probe, self.count_others, self.interval_s = roots, probe, count_others, interval_s
         self.samples: list[tuple[float, dict[str, float], float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -254,7 +256,7 @@ class Sampler:
             by_role: dict[str, float] = {}
             for pid, mib in held.items():
                 role = _root(pid, self.roots)
-                if role != "other" or self.probe is _gpu_processes:
+                if role != "other" or self.count_others:
                     by_role[role] = by_role.get(role, 0.0) + mib
             self.samples.append((time.time(), by_role, used))
             time.sleep(self.interval_s)
@@ -372,7 +374,7 @@ def run(args) -> int:
 
     started = time.time()
     server = start("rollout_server", "server")
-    sampler = Sampler({server.pid: "server"}, probe)
+    sampler = Sampler({server.pid: "server"}, probe, count_others=gpu)
     import httpx
 
     healthy_at = None

@@ -41,6 +41,8 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 REPO = Path(__file__).resolve().parents[1]
 
 LISTS = REPO / "deploy/gpu_kit"
@@ -118,8 +120,6 @@ def kit_packages() -> dict[str, str]:
 def unmet(requires: dict[str, list[str]], have: dict[str, str | None]) -> list[str]:
     """'dist needs req' for each requirement of each dist (markers evaluated as on the image, extras
     dropped) that `have` lacks, or holds at a known version outside the specifier."""
-    from packaging.requirements import Requirement
-
     out = []
     for dist, lines in requires.items():
         for line in lines:
@@ -150,8 +150,6 @@ def allowed_distributions() -> set[str]:
             requires = metadata.requires(name) or []
         except metadata.PackageNotFoundError:
             continue
-        from packaging.requirements import Requirement
-
         for line in requires:
             req = Requirement(line)
             if req.marker is None or req.marker.evaluate(DEVICE_MARKERS):

@@ -178,11 +178,16 @@ def test_shared_prompt_gives_the_plain_gradients_at_two_processes(three_steps, t
     no gradient at step 1 (B = 0), so v2's A - v1's A = -lr·g2(A). The large lr keeps that difference far
     above fp32's rounding of A (~0.04: ulp 4e-9); at lr 0.01 it was 1e-8 and rounding alone differed 10 %."""
     out = three_steps[0]
-    for rec in _jsonl(out / "groups.jsonl")[:2]:  # B needs step 1's signal, A's difference step 2's
-        if all(is_degenerate([c["reward"] for c in g["completions"]]) for g in rec["groups"]):
-            pytest.skip(
-                f"the recorded run's step {rec['step']} has no learning signal: no gradient to compare"
-            )
+    # B needs step 1's signal, A's difference step 2's: a recorded group whose rewards are all equal (the
+    # sampled run decides) is given rewards 0, 1, 0, 1, ... so that every replayed step has a gradient.
+    replay = tmp_path / "groups.jsonl"
+    with replay.open("w") as f:
+        for rec in _jsonl(out / "groups.jsonl")[:2]:
+            for g in rec["groups"]:
+                if is_degenerate([c["reward"] for c in g["completions"]]):
+                    for i, c in enumerate(g["completions"]):
+                        c["reward"], c["rewards"] = float(i % 2), {"given": float(i % 2)}
+            f.write(json.dumps(rec) + "\n")
     sgd = [
         "--deepspeed.overrides.optimizer.type=SGD",
         "--deepspeed.overrides.zero_allow_untested_optimizer=true",
@@ -198,7 +203,7 @@ def test_shared_prompt_gives_the_plain_gradients_at_two_processes(three_steps, t
             [
                 *sgd,
                 "--learner.steps=2",
-                f"--learner.replay_file={out / 'groups.jsonl'}",
+                f"--learner.replay_file={replay}",
                 "--learner.grad_accum=1",
                 f"--learner.shared_prompt={shared}",
             ],  # fmt: skip
