@@ -4,7 +4,8 @@
 
 Train on it (both processes, or an [env] section in your config):
 
-    --data.task=custom --data.path=DIR --data.messages_column=messages --data.answer_column=answer
+    --data.task=custom --data.path=DIR
+    --data.custom.messages_column=messages --data.custom.answer_column=answer
     --env.kind=tools --env.tools='["examples/calculator.py:multiply"]'
     --reward.functions='["examples/calculator.py:solved"]'
 

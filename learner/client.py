@@ -130,7 +130,7 @@ class RolloutClient:
             if time.monotonic() + delay > deadline:
                 raise ServerUnavailable(
                     f"rollout server at {self.url} did not become healthy within {timeout_s:.0f} s "
-                    f"(last error: {last}). Is it running, and is learner.server_url right?"
+                    f"(last error: {last}). Is it running, and is learner.server_urls right?"
                 )
             if not announced:
                 log(f"waiting for the rollout server at {self.url} (up to {timeout_s:.0f} s) ...")

@@ -110,7 +110,10 @@ def _args(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     args, cfg = parse_cli("python -m learner.evaluate", __doc__.split("\n\n")[0], argv, _args)
     try:
-        client = RolloutClient(cfg.learner.server_url, token=os.environ.get(cfg.server.api_token_env) or None)
+        # every server serves every version: the first one listed evaluates
+        client = RolloutClient(
+            cfg.learner.server_urls[0], token=os.environ.get(cfg.server.api_token_env) or None
+        )
         client.wait_ready(60)
         result = evaluate(client, cfg, args.version, args.limit, args.k)
     except (DatasetError, ConfigError) as e:

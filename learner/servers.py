@@ -158,10 +158,10 @@ def collect_or_stop(client: Servers, cfg: TandemConfig, state: ckpt.State, out: 
 
 
 def connect(cfg: TandemConfig, log, stop: Stop) -> Servers:
-    """A client for the server (a pool for learner.server_urls), once one answers; its group size must be
-    the learner's."""
+    """A client for the server (a pool when learner.server_urls names several), once one answers; its group
+    size must be the learner's."""
     lc, token = cfg.learner, os.environ.get(cfg.server.api_token_env) or None
-    urls = lc.server_urls or [lc.server_url]
+    urls = lc.server_urls
     if len(urls) > 1:
         members = [RolloutClient(url, token=token, log=log) for url in urls]  # fail fast: the pool retries
         client = ServerPool(members, lc.server_retry_s, lc.server_probe_s, log, lambda: stop.requested)

@@ -25,8 +25,8 @@ from demo import run_demo  # noqa: E402  (scripts/, this script's folder, is on 
 
 TASK = [
     "--data.task=custom",
-    "--data.messages_column=messages",
-    "--data.answer_column=answer",
+    "--data.custom.messages_column=messages",
+    "--data.custom.answer_column=answer",
     "--env.kind=tools",
     '--env.tools=["examples/calculator.py:multiply"]',
     "--env.max_turns=3",

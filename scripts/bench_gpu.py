@@ -147,7 +147,7 @@ def overrides(args, model_dir: str, work: Path, port: int) -> list[str]:
         f"server.prompts_per_batch={args.prompts}",
         f"server.backend={args.backend}",
         f"server.vllm.gpu_memory_utilization={util:.4f}",
-        f"learner.server_url=http://127.0.0.1:{port}",
+        f"learner.server_urls=http://127.0.0.1:{port}",
         f"learner.out_dir={work / 'learner'}",
         f"learner.steps={args.steps}",
         f"learner.prompts_per_step={args.prompts}",

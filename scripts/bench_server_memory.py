@@ -57,7 +57,7 @@ def train(name: str, env: dict, steps: int, work: Path) -> list[tuple[int, dict[
         f"--learner.steps={steps}",
         f"--server.state_dir={out / 'server'}",
         f"--learner.out_dir={out / 'learner'}",
-        f"--learner.server_url=http://127.0.0.1:{port}",
+        f"--learner.server_urls=http://127.0.0.1:{port}",
     ]
     server, _ = start_server(
         "deploy/configs/cpu.toml", cli, port, work / f"server-{name}.log", tandem_env(token, **env)

@@ -55,7 +55,7 @@ def run_tandem(args, work: Path) -> tuple[list[tuple[float, float]], dict[str, f
     extra = [
         *overrides(args),
         f"server.state_dir={work / 'server'}",
-        f"learner.server_url=http://127.0.0.1:{port}",
+        f"learner.server_urls=http://127.0.0.1:{port}",
         f"learner.out_dir={work / 'learner'}",
     ]
     token = secrets.token_hex(8)

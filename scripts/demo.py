@@ -172,7 +172,7 @@ def main() -> int:
         *demo,
         f"--server.port={port}",
         f"--server.state_dir={out / 'server'}",
-        f"--learner.server_url=http://127.0.0.1:{port}",
+        f"--learner.server_urls=http://127.0.0.1:{port}",
         f"--learner.out_dir={out / 'learner'}",
     ]
     if args.steps:
@@ -191,8 +191,8 @@ def main() -> int:
     learner = None
     rss = PeakRss()
     try:
-        wait_healthy(server, cfg.learner.server_url)
-        client = RolloutClient(cfg.learner.server_url, token=token)
+        wait_healthy(server, cfg.learner.server_urls[0])
+        client = RolloutClient(cfg.learner.server_urls[0], token=token)
         print(
             f"2/4 held-out accuracy of the base model ({args.eval_problems} problems, greedy) ...", flush=True
         )

@@ -461,7 +461,7 @@ class Soak:
 
 
 def _servers_flag(urls: list[str]) -> str:
-    return f"--learner.server_urls={json.dumps(urls)}" if len(urls) > 1 else f"--learner.server_url={urls[0]}"
+    return f"--learner.server_urls={json.dumps(urls)}"
 
 
 def _jsonl(path: Path) -> list[dict]:

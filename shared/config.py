@@ -143,7 +143,7 @@ class TandemConfig(Section):
                 f"server.shard_index={self.server.shard_index} must be below server.num_shards="
                 f"{self.server.num_shards} (shards count from 0)"
             )
-        urls = self.learner.server_urls or []
+        urls = self.learner.server_urls
         if len(set(urls)) != len(urls):
             raise ValueError("learner.server_urls lists a server twice")
         return self
@@ -159,6 +159,16 @@ RENAMED = {
     "server.vllm.adapter_mode": "server.adapter_mode",  # one setting for both backends
     "learner.checkpoint_every": "learner.keep_every",  # it says which checkpoints are kept for good
     "server.hf_merge_adapters": "server.adapter_mode = 'merge' (true) or 'lora' (false)",
+    "learner.server_url": "learner.server_urls (one URL, or several)",  # one field for one or several
+    # a task's fields live under it
+    "data.arith_difficulty": "data.arith.difficulty",
+    "data.arith_size": "data.arith.size",
+    "data.rg_task": "data.reasoning_gym.task",
+    "data.rg_mix": "data.reasoning_gym.mix",
+    "data.rg_config": "data.reasoning_gym.config",
+    "data.rg_size": "data.reasoning_gym.size",
+    "data.rg_eval_size": "data.reasoning_gym.eval_size",
+    **{f"data.{c}_column": f"data.custom.{c}_column" for c in ("prompt", "messages", "answer", "id")},
 }
 
 

@@ -172,7 +172,7 @@ def load_problems(cfg: DataConfig, split: str | None = None) -> list[Problem]:
     if cfg.task == "gsm8k":
         problems = load_gsm8k(split, cfg.path, cfg.hub_id, cfg.hub_config or "main")
     else:
-        problems = make_arith(split, cfg.arith_size, cfg.arith_difficulty, cfg.seed)
+        problems = make_arith(split, cfg.arith.size, cfg.arith.difficulty, cfg.seed)
     if cfg.prompt_template is None and cfg.system_prompt is None:
         return problems  # the default conversation (Problem.conversation)
     return [dataclasses.replace(p, messages=tuple(render(cfg, p.question))) for p in problems]
@@ -274,43 +274,49 @@ def _chat(value: Any, where: str) -> list[dict[str, str]]:
         )
     )
     if not ok:
-        raise DatasetError(f"{where}: data.messages_column must hold a non-empty list of {{role, content}}")
+        raise DatasetError(
+            f"{where}: data.custom.messages_column must hold a non-empty list of {{role, content}}"
+        )
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def load_custom(cfg: DataConfig, split: str) -> list[Problem]:
     """One split of the user's dataset through the column mapping of `data`; errors name the field."""
     rows, columns = _read_table(cfg, split)
+    cols = cfg.custom
     source = cfg.path or cfg.hub_id
     wanted = {
-        "data.messages_column" if cfg.messages_column else "data.prompt_column": cfg.messages_column
-        or cfg.prompt_column,
-        "data.answer_column": cfg.answer_column,
-        "data.id_column": cfg.id_column,
+        "data.custom.messages_column"
+        if cols.messages_column
+        else "data.custom.prompt_column": cols.messages_column or cols.prompt_column,
+        "data.custom.answer_column": cols.answer_column,
+        "data.custom.id_column": cols.id_column,
     }
     for key, col in wanted.items():
         if col is not None and col not in columns:
             raise DatasetError(f"{key}: no column '{col}' in {source} (columns: {', '.join(columns)})")
     if not rows:
         raise DatasetError(f"{source}: split '{split}' has no rows")
-    used = {cfg.messages_column or cfg.prompt_column, cfg.answer_column}
+    used = {cols.messages_column or cols.prompt_column, cols.answer_column}
     problems, seen = [], set()
     for i, row in enumerate(rows):
         where = f"{source}, split '{split}', row {i}"
-        if cfg.messages_column:
-            messages = _chat(row[cfg.messages_column], where)
+        if cols.messages_column:
+            messages = _chat(row[cols.messages_column], where)
             if cfg.system_prompt and messages[0]["role"] != "system":
                 messages.insert(0, {"role": "system", "content": cfg.system_prompt})
             question = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
         else:
-            question = row[cfg.prompt_column]
+            question = row[cols.prompt_column]
             if not isinstance(question, str) or not question.strip():
-                raise DatasetError(f"{where}: data.prompt_column '{cfg.prompt_column}' is empty or not text")
+                raise DatasetError(
+                    f"{where}: data.custom.prompt_column '{cols.prompt_column}' is empty or not text"
+                )
             messages = render(cfg, question, row)
-        answer = row[cfg.answer_column] if cfg.answer_column else None
-        pid = str(row[cfg.id_column]) if cfg.id_column else f"{split}-{i}"
+        answer = row[cols.answer_column] if cols.answer_column else None
+        pid = str(row[cols.id_column]) if cols.id_column else f"{split}-{i}"
         if pid in seen or not pid:
-            raise DatasetError(f"{where}: data.id_column: id {pid!r} is empty or not unique")
+            raise DatasetError(f"{where}: data.custom.id_column: id {pid!r} is empty or not unique")
         seen.add(pid)
         metadata = {k: _jsonable(v) for k, v in row.items() if k not in used}
         problems.append(
@@ -347,24 +353,25 @@ def rg_dataset(name: str, config: Mapping[str, Any], seed: int, size: int):
             if close
             else f" ({len(DATASETS)} tasks: see reasoning_gym)"
         )
-        raise DatasetError(f"data.rg_task: reasoning-gym has no task '{name}'{hint}")
+        raise DatasetError(f"data.reasoning_gym.task: reasoning-gym has no task '{name}'{hint}")
     try:
         return rg.create_dataset(name, **{**config, "seed": seed, "size": size})
     except (TypeError, ValueError, AssertionError) as e:
-        raise DatasetError(f"data.rg_config for '{name}': {e}") from None
+        raise DatasetError(f"data.reasoning_gym.config for '{name}': {e}") from None
 
 
 def load_reasoning_gym(cfg: DataConfig, split: str) -> list[Problem]:
     """A reasoning-gym task (or weighted mix) as problems, generated from data.seed: the train split from
-    item seeds seed·10^6 + [0, rg_size), the test split from the next rg_eval_size, minus any question the
+    item seeds seed·10^6 + [0, size), the test split from the next eval_size, minus any question the
     train split has. Each problem carries the task's entry, which the `reasoning_gym` reward scores with
     the task's own score_answer; the model is asked for <answer>...</answer> by reasoning-gym's prompt."""
     if split not in ("train", "test"):
         raise DatasetError(f"reasoning_gym: unknown split '{split}' (use 'train' or 'test')")
-    weights = cfg.rg_mix or {cfg.rg_task: 1.0}
-    configs = cfg.rg_config if cfg.rg_mix else {cfg.rg_task: cfg.rg_config}
-    size = cfg.rg_size if split == "train" else cfg.rg_eval_size
-    start = 0 if split == "train" else cfg.rg_size
+    opts = cfg.reasoning_gym
+    weights = opts.mix or {opts.task: 1.0}
+    configs = opts.config if opts.mix else {opts.task: opts.config}
+    size = opts.size if split == "train" else opts.eval_size
+    start = 0 if split == "train" else opts.size
     # one generator per task, its item seeds disjoint between the splits (items are drawn from seed + index)
     base = cfg.seed * 1_000_000
     tasks = {name: rg_dataset(name, configs.get(name, {}), base + start, size) for name in weights}

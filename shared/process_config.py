@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from shared.config_base import TOKEN_ENV, Section
 
@@ -264,20 +264,24 @@ class DeepSpeedConfig(Section):
 
 
 class LearnerConfig(Section):
-    server_url: str = Field(
-        default="http://127.0.0.1:8000",
-        description="the rollout server the learner pulls from and publishes to (learner.server_urls: "
-        "several)",
-    )
-    server_urls: list[str] | None = Field(
-        default=None,
+    server_urls: list[str] = Field(
+        default=["http://127.0.0.1:8000"],
         min_length=1,
-        description="several rollout servers (each with its own server.shard_index); replaces server_url. "
-        "The learner pulls from all, skips one that is down and brings it to the current version when it "
-        "is back; it stops only when none answers for server_retry_s",
+        description="the rollout server(s) the learner pulls from and publishes to: one URL, or several "
+        "(each server with its own server.shard_index; on the command line a TOML list or a comma-separated "
+        "string). With several, the learner pulls from all, skips one that is down and brings it to the "
+        "current version when it is back; it stops only when none answers for server_retry_s",
     )
+
+    @field_validator("server_urls", mode="before")
+    @classmethod
+    def _one_or_several(cls, v):
+        return [u.strip() for u in v.split(",") if u.strip()] if isinstance(v, str) else v
+
     server_probe_s: float = Field(
-        default=5.0, gt=0, description="with server_urls: how often a server that is down is tried again"
+        default=5.0,
+        gt=0,
+        description="with several server_urls: how often a server that is down is tried again",
     )
     placement: Literal["timeslice", "split"] = Field(
         default="timeslice",

@@ -13,13 +13,69 @@ from pydantic import Field, model_validator
 from shared.config_base import Section
 
 
+class ArithConfig(Section):
+    difficulty: int = Field(default=2, ge=1, le=6, description="operands and their size")
+    size: int = Field(default=5000, ge=10, description="problems in the train split")
+
+
+class ReasoningGymConfig(Section):
+    task: str | None = Field(
+        default=None, description="the task's name, e.g. 'basic_arithmetic', 'leg_counting'"
+    )
+    mix: dict[str, float] | None = Field(
+        default=None,
+        description="a weighted mix instead of one task, {task name: weight}, e.g. "
+        "{leg_counting = 1, basic_arithmetic = 2}",
+    )
+    config: dict[str, Any] = Field(
+        default={},
+        description="the task's config fields (reasoning-gym's <Task>Config), e.g. "
+        "{min_terms = 2, max_terms = 3}; with a mix, {task name: {fields}}",
+    )
+    size: int = Field(default=5000, ge=1, description="problems in the train split")
+    eval_size: int = Field(default=200, ge=1, description="problems in the test split")
+
+    @model_validator(mode="after")
+    def _check(self) -> ReasoningGymConfig:
+        if self.task is not None and self.mix is not None:
+            raise ValueError("data.reasoning_gym: give task or mix, not both")
+        if self.mix is not None:
+            if not self.mix or any(w <= 0 for w in self.mix.values()):
+                raise ValueError(
+                    "data.reasoning_gym.mix: give each task a weight > 0, e.g. {leg_counting = 1}"
+                )
+            if unknown := set(self.config) - set(self.mix):
+                raise ValueError(
+                    f"data.reasoning_gym.config: {sorted(unknown)} not in data.reasoning_gym.mix "
+                    "({task: {fields}})"
+                )
+        return self
+
+
+class CustomDataConfig(Section):
+    prompt_column: str = Field(default="prompt", description="the column holding the prompt text")
+    messages_column: str | None = Field(
+        default=None,
+        description="a column holding a chat [{role, content}, ...] list to use instead of "
+        "prompt_column (data.prompt_template is then not applied)",
+    )
+    answer_column: str | None = Field(
+        default="answer", description="the reference answer handed to the reward; None = no answer"
+    )
+    id_column: str | None = Field(
+        default=None,
+        description="a column of unique ids; None = '<split>-<row index>'. Ids "
+        "must stay stable: resume and the server's cursor rely on them",
+    )
+
+
 class DataConfig(Section):
     task: Literal["gsm8k", "arith", "custom", "reasoning_gym"] = Field(
         default="gsm8k",
-        description="'gsm8k', 'arith' (generated word problems), 'custom': your own dataset, read from "
-        "data.path or the hub (data.hub_id) with the column mapping below, or 'reasoning_gym': a "
-        "reasoning-gym task (data.rg_task) or mix (data.rg_mix), generated offline from data.seed and scored "
-        "by the task's own score_answer (reward 'reasoning_gym')",
+        description="'gsm8k', 'arith' (generated word problems, data.arith), 'custom': your own dataset, "
+        "read from data.path or the hub (data.hub_id) with the column mapping data.custom, or "
+        "'reasoning_gym': a reasoning-gym task or mix (data.reasoning_gym), generated offline from data.seed "
+        "and scored by the task's own score_answer (reward 'reasoning_gym')",
     )
     path: str | None = Field(
         default=None,
@@ -32,39 +88,8 @@ class DataConfig(Section):
     eval_split: str = Field(default="test", description="the split learner.evaluate scores")
     seed: int = Field(
         default=0,
-        description="the order prompts are served in (a fresh permutation each epoch); 'arith': the problems"
-        " generated",
-    )
-    arith_difficulty: int = Field(default=2, ge=1, le=6, description="'arith' task: operands/size knob")
-    arith_size: int = Field(default=5000, ge=10, description="'arith' task: problems in the train split")
-    rg_task: str | None = Field(
-        default=None, description="'reasoning_gym': the task's name, e.g. 'basic_arithmetic', 'leg_counting'"
-    )
-    rg_mix: dict[str, float] | None = Field(
-        default=None,
-        description="'reasoning_gym': a weighted mix instead of rg_task, {task name: weight}, e.g. "
-        "{leg_counting = 1, basic_arithmetic = 2}",
-    )
-    rg_config: dict[str, Any] = Field(
-        default={},
-        description="'reasoning_gym': the task's config fields (reasoning-gym's <Task>Config), e.g. "
-        "{min_terms = 2, max_terms = 3}; with rg_mix, {task name: {fields}}",
-    )
-    rg_size: int = Field(default=5000, ge=1, description="'reasoning_gym': problems in the train split")
-    rg_eval_size: int = Field(default=200, ge=1, description="'reasoning_gym': problems in the test split")
-    prompt_column: str = Field(default="prompt", description="custom: the column holding the prompt text")
-    messages_column: str | None = Field(
-        default=None,
-        description="custom: a column holding a chat [{role, content}, ...] list to use instead of "
-        "prompt_column (data.prompt_template is then not applied)",
-    )
-    answer_column: str | None = Field(
-        default="answer", description="custom: the reference answer handed to the reward; None = no answer"
-    )
-    id_column: str | None = Field(
-        default=None,
-        description="custom: a column of unique ids; None = '<split>-<row index>'. Ids "
-        "must stay stable: resume and the server's cursor rely on them",
+        description="the order prompts are served in (a fresh permutation each epoch); 'arith' and "
+        "'reasoning_gym': the problems generated",
     )
     system_prompt: str | None = Field(default=None, description="a system message put before each prompt")
     prompt_template: str | None = Field(
@@ -73,23 +98,22 @@ class DataConfig(Section):
         "'{prompt}\\n\\nAnswer after ####.' (write {{ }} for literal braces). None: gsm8k/arith add their "
         "instruction to end with '#### <answer>'; custom uses the prompt as it is",
     )
+    arith: ArithConfig = ArithConfig()
+    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
+    custom: CustomDataConfig = CustomDataConfig()
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        rg = [f for f in ("rg_task", "rg_mix") if getattr(self, f) is not None]
-        if self.task == "reasoning_gym" and len(rg) != 1:
+        rg = self.reasoning_gym
+        if self.task == "reasoning_gym" and rg.task is None and rg.mix is None:
             raise ValueError(
-                "data.task = 'reasoning_gym' needs one of data.rg_task (a task's name) or data.rg_mix"
+                "data.task = 'reasoning_gym' needs data.reasoning_gym.task (a task's name) or "
+                "data.reasoning_gym.mix"
             )
-        if self.task != "reasoning_gym" and (rg or self.rg_config):
-            raise ValueError(f"data.{(rg or ['rg_config'])[0]} applies to data.task = 'reasoning_gym' only")
-        if self.rg_mix is not None:
-            if not self.rg_mix or any(w <= 0 for w in self.rg_mix.values()):
-                raise ValueError("data.rg_mix: give each task a weight > 0, e.g. {leg_counting = 1}")
-            if unknown := set(self.rg_config) - set(self.rg_mix):
-                raise ValueError(
-                    f"data.rg_config: {sorted(unknown)} not in data.rg_mix ({{task: {{fields}}}})"
-                )
+        # (data.arith is left alone under another task: cpu.toml and configs layered on it carry it)
+        for name, section in (("reasoning_gym", ReasoningGymConfig), ("custom", CustomDataConfig)):
+            if self.task != name and getattr(self, name) != section():
+                raise ValueError(f"data.{name} applies to data.task = '{name}' only")
         if self.prompt_template is not None:
             try:
                 fields = [f for _, f, _, _ in Formatter().parse(self.prompt_template) if f is not None]

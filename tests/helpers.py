@@ -28,7 +28,7 @@ def proc_env(**extra: str) -> dict[str, str]:
 SMALL_RUN = [
     "--sampling.group_size=4",
     "--server.prompts_per_batch=2",
-    "--data.arith_difficulty=2",  # ~35 % greedy accuracy: most groups carry a learning signal
+    "--data.arith.difficulty=2",  # ~35 % greedy accuracy: most groups carry a learning signal
     # cpu.toml zeroes completions cut at max_new_tokens; these runs' short limits cut most of them, which
     # made whole groups all-zero (no gradient: the shared-prompt gradient test once had nothing to compare)
     "--reward.truncated=score",
@@ -48,7 +48,7 @@ def start_learner(
 ) -> Proc:
     """`python -m learner` on cpu.toml with `args`, against the server at `url`, writing to `out`."""
     cmd = [*launcher, "-m", "learner", "--config", "deploy/configs/cpu.toml", *args]
-    cmd += [f"--learner.server_url={url}", f"--learner.out_dir={out}"]
+    cmd += [f"--learner.server_urls={url}", f"--learner.out_dir={out}"]
     return Proc(cmd, log, env=proc_env(OMP_NUM_THREADS="1", **env))
 
 

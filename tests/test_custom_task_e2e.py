@@ -53,9 +53,9 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
     task = [
         "--data.task=custom",
         f"--data.path={data}",
-        "--data.prompt_column=problem",
-        "--data.answer_column=solution_value",
-        "--data.id_column=uid",
+        "--data.custom.prompt_column=problem",
+        "--data.custom.answer_column=solution_value",
+        "--data.custom.id_column=uid",
         "--data.system_prompt=You are a careful calculator.",
         "--data.prompt_template=Level {level}: {prompt}\nEnd with a line '#### <number>'.",
         f'--reward.functions=["my_rewards:exact", "{code}/my_rewards.py:tagged", "my_rewards:broken"]',

@@ -53,7 +53,7 @@ COMMON = [
     "--server.queue_size=4",
     "--reward.truncated=score",
     "--env.max_turns=3",
-    "--data.arith_difficulty=1",
+    "--data.arith.difficulty=1",
 ]
 
 
@@ -141,8 +141,8 @@ def _tool_task(folder) -> list[str]:
     return [
         "--data.task=custom",
         f"--data.path={folder}",
-        "--data.messages_column=messages",
-        "--data.answer_column=answer",
+        "--data.custom.messages_column=messages",
+        "--data.custom.answer_column=answer",
     ]
 
 
@@ -177,8 +177,8 @@ def test_two_steps_on_a_reasoning_gym_task(tmp_path, model_dir):
     pytest.importorskip("reasoning_gym")
     task = [
         "--data.task=reasoning_gym",
-        "--data.rg_task=basic_arithmetic",
-        '--data.rg_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}',
+        "--data.reasoning_gym.task=basic_arithmetic",
+        '--data.reasoning_gym.config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}',
     ]
     steps, metrics, rescored = _train(tmp_path, "rg", task)
     assert [m["step"] for m in metrics] == [1, 2]

@@ -103,8 +103,7 @@ learner)
       [ -s "$url_file" ] && cat "$url_file"
     fi
   }
-  option=--learner.server_url
-  [ "$num_servers" -gt 1 ] && option=--learner.server_urls
+  option=--learner.server_urls  # one URL, or a JSON list of several
   # Supervise the learner rather than exec it: a server job that is resubmitted and lands on another node
   # writes a new URL, which the learner (retrying the old one) would never see. When a URL file changes,
   # the learner gets SIGTERM (it checkpoints and exits) and starts again with --resume at the new URL.

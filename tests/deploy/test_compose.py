@@ -117,7 +117,7 @@ def test_the_commands_compose_runs_start_from_valid_configs(variant):
         assert out.returncode == 0, out.stderr
         resolved[name] = json.loads(out.stdout)
     server, learner = resolved["rollout-server"], resolved["learner"]
-    assert learner["learner"]["server_url"] == "http://rollout-server:8000"
+    assert learner["learner"]["server_urls"][0] == "http://rollout-server:8000"
     assert server["server"]["host"] == "0.0.0.0" and server["server"]["port"] == 8000
     assert server["server"]["state_dir"].startswith("/runs") and learner["learner"]["out_dir"].startswith(
         "/runs"

@@ -148,7 +148,7 @@ def test_on_one_machine_each_process_gets_its_gpus(tmp_path, config, env, gpus):
 # server has come back elsewhere, as a resubmitted job on another node would.
 STUB = """#!/bin/bash
 for a in "$@"; do
-  case "$a" in --learner.server_url*|--resume) echo "start $a" >> "$TANDEM_RUN_DIR/log";; esac
+  case "$a" in --learner.server_urls*|--resume) echo "start $a" >> "$TANDEM_RUN_DIR/log";; esac
 done
 case "$*" in *gone*) echo http://b:2 > "$TANDEM_RUN_DIR/server_url.tmp"; mv "$TANDEM_RUN_DIR/server_url.tmp" \
   "$TANDEM_RUN_DIR/server_url"; exit 3;; esac
@@ -198,12 +198,12 @@ def test_learner_follows_a_server_that_moved_to_another_node(tmp_path):
     _publish(tmp_path / "server_url", "http://a:1")
     job = _supervised(tmp_path)
     try:
-        assert _log_until(tmp_path, 2) == ["start --learner.server_url=http://a:1", "start --resume"]
+        assert _log_until(tmp_path, 2) == ["start --learner.server_urls=http://a:1", "start --resume"]
         _publish(tmp_path / "server_url", "http://a:1")  # the same node again
         (tmp_path / "server_url").unlink()  # and a server between jobs (run.sh removes the file)
         time.sleep(1.5)
         _publish(tmp_path / "server_url", "http://b:2")
-        restarted = ["term", "start --learner.server_url=http://b:2", "start --resume"]
+        restarted = ["term", "start --learner.server_urls=http://b:2", "start --resume"]
         assert _log_until(tmp_path, 5)[2:] == restarted
         job.send_signal(15)
         out, _ = job.communicate(timeout=30)
@@ -219,8 +219,8 @@ def test_learner_that_gave_up_starts_again_where_the_server_came_back(tmp_path):
     job = _supervised(tmp_path)
     try:
         assert _log_until(tmp_path, 4) == [
-            "start --learner.server_url=http://gone:1", "start --resume",
-            "start --learner.server_url=http://b:2", "start --resume",
+            "start --learner.server_urls=http://gone:1", "start --resume",
+            "start --learner.server_urls=http://b:2", "start --resume",
         ]  # fmt: skip
         job.send_signal(15)
         out, _ = job.communicate(timeout=30)
@@ -235,7 +235,7 @@ def test_learner_exit_status_is_the_jobs_when_no_server_moved(tmp_path):
     job = _supervised(tmp_path, script=STUB.replace("echo http://b:2", "echo http://gone:1"))
     out, _ = job.communicate(timeout=30)
     assert job.returncode == 3, out
-    started = ["start --learner.server_url=http://gone:1", "start --resume"]
+    started = ["start --learner.server_urls=http://gone:1", "start --resume"]
     assert (tmp_path / "log").read_text().splitlines() == started
 
 

@@ -60,7 +60,7 @@ def test_full_disk_fails_before_training(tmp_path):
 def test_unreachable_server_gives_a_clear_message_after_a_bounded_wait(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     out = _learner(
-        f"--learner.server_url={url}", "--learner.connect_timeout_s=3", f"--learner.out_dir={tmp_path}/r"
+        f"--learner.server_urls={url}", "--learner.connect_timeout_s=3", f"--learner.out_dir={tmp_path}/r"
     )
     assert out.returncode == 3, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
@@ -104,7 +104,7 @@ def test_two_single_process_learners_can_run_side_by_side(tmp_path):
     args = [
         "--config",
         "deploy/configs/cpu.toml",
-        f"--learner.server_url={url}",
+        f"--learner.server_urls={url}",
         "--learner.connect_timeout_s=8",
     ]
     procs = [

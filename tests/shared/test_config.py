@@ -55,15 +55,27 @@ def test_toml_then_overrides(tmp_path):
     assert cfg.model.name == "my/model"  # a bare string is taken as a string
 
 
+def test_one_server_or_several_is_one_field():
+    one = "http://10.0.0.1:8000"
+    assert load_config(None, [f"learner.server_urls={one}"]).learner.server_urls == [one]
+    two = ["http://a:1", "http://b:2"]
+    assert load_config(None, ['learner.server_urls=["http://a:1", "http://b:2"]']).learner.server_urls == two
+    assert load_config(None, ["learner.server_urls=http://a:1, http://b:2"]).learner.server_urls == two
+    with pytest.raises(ConfigError, match="learner.server_urls lists a server twice"):
+        load_config(None, ["learner.server_urls=http://a:1,http://a:1"])
+    with pytest.raises(ConfigError, match="learner.server_urls"):
+        load_config(None, ["learner.server_urls=[]"])
+
+
 def test_a_table_override_is_toml_or_json():
-    task = ["data.task=reasoning_gym", "data.rg_task=basic_arithmetic"]
+    task = ["data.task=reasoning_gym", "data.reasoning_gym.task=basic_arithmetic"]
     for raw in ("{min_terms = 2, max_digits = 1}", '{"min_terms": 2, "max_digits": 1}'):
-        assert load_config(None, [*task, f"data.rg_config={raw}"]).data.rg_config == {
+        assert load_config(None, [*task, f"data.reasoning_gym.config={raw}"]).data.reasoning_gym.config == {
             "min_terms": 2,
             "max_digits": 1,
         }
-    with pytest.raises(ConfigError, match="data.rg_config"):
-        load_config(None, [*task, "data.rg_config={min_terms: 2"])
+    with pytest.raises(ConfigError, match="data.reasoning_gym.config"):
+        load_config(None, [*task, "data.reasoning_gym.config={min_terms: 2"])
 
 
 def test_unknown_key_names_the_field(tmp_path):
@@ -214,7 +226,10 @@ def test_cli_error_is_one_line():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--data.prompt_column=question"], "error: data.prompt_column: no column 'question' in "),
+        (
+            ["--data.custom.prompt_column=question"],
+            "error: data.custom.prompt_column: no column 'question' in ",
+        ),
         (
             ['--reward.functions=["gsm8k", "no_such_module:f"]'],
             "error: reward.functions[1]: 'no_such_module:f': ",
@@ -235,8 +250,8 @@ def test_check_config_checks_the_task_in_one_line_before_any_model(tmp_path, ove
     task = [
         "--data.task=custom",
         f"--data.path={tmp_path}",
-        "--data.prompt_column=problem",
-        "--data.answer_column=final",
+        "--data.custom.prompt_column=problem",
+        "--data.custom.answer_column=final",
         "--model.name=/nonexistent/model",  # had anything tried to load a model, this would fail
     ]
     cmd = [sys.executable, "-m", entry, *task, "--check-config"]
@@ -245,7 +260,9 @@ def test_check_config_checks_the_task_in_one_line_before_any_model(tmp_path, ove
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), out.stderr
     ok = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert ok.returncode == 0 and json.loads(ok.stdout)["data"]["prompt_column"] == "problem", ok.stderr
+    assert ok.returncode == 0 and json.loads(ok.stdout)["data"]["custom"]["prompt_column"] == "problem", (
+        ok.stderr
+    )
 
 
 def test_every_field_is_described_and_the_reference_page_is_current():
@@ -287,6 +304,20 @@ def test_every_field_is_described_and_the_reference_page_is_current():
             "invalid config: server.hf_merge_adapters: renamed: use server.adapter_mode = 'merge' (true) or "
             "'lora' (false)",
         ),
+        (
+            ["learner.server_url=http://a:1"],
+            "invalid config: learner.server_url: renamed: use learner.server_urls (one URL, or several)",
+        ),
+        (["data.rg_task=leg_counting"], "invalid config: data.rg_task: renamed: use data.reasoning_gym.task"),
+        (
+            ["data.arith_difficulty=3"],
+            "invalid config: data.arith_difficulty: renamed: use data.arith.difficulty",
+        ),
+        (
+            ["data.answer_column=final"],
+            "invalid config: data.answer_column: renamed: use data.custom.answer_column",
+        ),
+        (["data.custom.id_column=uid"], "invalid config: data.custom applies to data.task = 'custom' only"),
         (
             ["learner.api_token_env=MY_TOKEN"],
             "invalid config: learner.api_token_env: renamed: use server.api_token_env",

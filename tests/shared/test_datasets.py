@@ -101,7 +101,7 @@ def test_arith_hand_checked_problem():
 
 def test_load_problems_dispatches_on_task(gsm8k_dir):
     assert load_problems(DataConfig(path=str(gsm8k_dir)), "test")[0].answer == "18"
-    assert load_problems(DataConfig(task="arith", arith_size=20), "train")[0].id.startswith("arith")
+    assert load_problems(DataConfig(task="arith", arith={"size": 20}), "train")[0].id.startswith("arith")
 
 
 def test_chat_prompt_uses_the_models_template(model_dir):
@@ -124,8 +124,9 @@ ROWS = [
 
 
 def custom(**kw) -> DataConfig:
-    base = dict(task="custom", prompt_column="problem", answer_column="final")
-    return DataConfig(**{**base, **kw})
+    columns = {k: kw.pop(k) for k in list(kw) if k.endswith("_column")}
+    base = {"prompt_column": "problem", "answer_column": "final"}
+    return DataConfig(task="custom", custom={**base, **columns}, **kw)
 
 
 def write(folder, split: str, fmt: str, rows=ROWS):
@@ -186,7 +187,7 @@ def test_custom_template_system_prompt_ids_and_messages(tmp_path):
     assert p.conversation() == [{"role": "system", "content": "S"}, *chat] and p.prompt_text == "2+2?"
     # gsm8k and arith take the template and system prompt too
     arith = load_problems(
-        DataConfig(task="arith", arith_size=10, system_prompt="S", prompt_template="Q: {prompt}")
+        DataConfig(task="arith", arith={"size": 10}, system_prompt="S", prompt_template="Q: {prompt}")
     )
     assert arith[0].conversation() == [
         {"role": "system", "content": "S"},
@@ -200,18 +201,26 @@ def test_custom_template_system_prompt_ids_and_messages(tmp_path):
         (
             dict(prompt_column="question"),
             ROWS,
-            r"data.prompt_column: no column 'question' in .* \(columns: uid, problem, final, level\)",
+            r"data.custom.prompt_column: no column 'question' in .* \(columns: uid, problem, final, level\)",
         ),
-        (dict(answer_column="solution"), ROWS, r"data.answer_column: no column 'solution'"),
-        (dict(id_column="key"), ROWS, r"data.id_column: no column 'key'"),
+        (dict(answer_column="solution"), ROWS, r"data.custom.answer_column: no column 'solution'"),
+        (dict(id_column="key"), ROWS, r"data.custom.id_column: no column 'key'"),
         (
             dict(id_column="level"),
             [*ROWS, {**ROWS[0], "uid": "c"}],
-            r"row 2: data.id_column: id '1' is empty or not unique",
+            r"row 2: data.custom.id_column: id '1' is empty or not unique",
         ),
         (dict(prompt_template="{prompt} {missing}"), ROWS, r"data.prompt_template: no column 'missing'"),
-        (dict(messages_column="problem"), ROWS, r"row 0: data.messages_column must hold a non-empty list"),
-        ({}, [{**ROWS[0], "problem": "  "}], r"row 0: data.prompt_column 'problem' is empty or not text"),
+        (
+            dict(messages_column="problem"),
+            ROWS,
+            r"row 0: data.custom.messages_column must hold a non-empty list",
+        ),
+        (
+            {},
+            [{**ROWS[0], "problem": "  "}],
+            r"row 0: data.custom.prompt_column 'problem' is empty or not text",
+        ),
     ],
 )
 def test_custom_dataset_errors_name_the_field(tmp_path, kw, rows, message):

@@ -10,23 +10,22 @@ from shared.rewards import RewardRunner, reasoning_gym
 
 pytest.importorskip("reasoning_gym")
 
-TASK = {"task": "reasoning_gym", "rg_task": "basic_arithmetic", "rg_size": 300, "rg_eval_size": 60}
+RG = {"task": "basic_arithmetic", "size": 300, "eval_size": 60}
+TASK = {"task": "reasoning_gym", "reasoning_gym": RG}
 SMALL = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 
 
-def _cfg(**data) -> TandemConfig:
-    return TandemConfig(data={**TASK, **data})
+def _cfg(data_task="reasoning_gym", seed=0, **rg) -> TandemConfig:
+    return TandemConfig(data={"task": data_task, "seed": seed, "reasoning_gym": {**RG, **rg}})
 
 
 def test_problems_are_generated_from_the_seed_and_the_splits_are_disjoint():
-    cfg = _cfg(rg_config=SMALL)
+    cfg = _cfg(config=SMALL)
     train, test = load_problems(cfg.data, "train"), load_problems(cfg.data, "test")
     assert len(train) == 300 and 0 < len(test) <= 60
     assert not {p.question for p in train} & {p.question for p in test}
     assert [p.question for p in load_problems(cfg.data, "train")] == [p.question for p in train]
-    assert [p.question for p in load_problems(_cfg(rg_config=SMALL, seed=1).data)] != [
-        p.question for p in train
-    ]
+    assert [p.question for p in load_problems(_cfg(config=SMALL, seed=1).data)] != [p.question for p in train]
     p = train[0]
     # two one-digit terms, the answer their value: "Calculate a ± b." -> eval of the expression
     expression = p.question.removeprefix("Calculate ").rstrip(".").replace("−", "-")
@@ -36,7 +35,7 @@ def test_problems_are_generated_from_the_seed_and_the_splits_are_disjoint():
 
 
 def test_the_reward_is_the_tasks_score_answer_on_the_answer_tag():
-    p = load_problems(_cfg(rg_config=SMALL).data, "test")[0]
+    p = load_problems(_cfg(config=SMALL).data, "test")[0]
     meta = dict(p.metadata)
     assert reasoning_gym(f"The sum is... <answer> {p.answer} </answer>", p.answer, "", meta) == 1.0
     # the last tag counts, as reasoning-gym extracts it
@@ -47,9 +46,7 @@ def test_the_reward_is_the_tasks_score_answer_on_the_answer_tag():
 
 
 def test_a_mix_draws_each_task_by_weight_and_scores_each_with_its_own():
-    cfg = _cfg(
-        rg_task=None, rg_mix={"leg_counting": 1, "basic_arithmetic": 3}, rg_config={"basic_arithmetic": SMALL}
-    )
+    cfg = _cfg(task=None, mix={"leg_counting": 1, "basic_arithmetic": 3}, config={"basic_arithmetic": SMALL})
     train = load_problems(cfg.data, "train")
     tasks = [p.metadata["rg_task"] for p in train]
     assert 0.15 < tasks.count("leg_counting") / len(tasks) < 0.35  # 1 in 4 of 300 draws
@@ -59,7 +56,9 @@ def test_a_mix_draws_each_task_by_weight_and_scores_each_with_its_own():
 
 def test_the_task_chooses_its_reward_and_a_verifier_that_cannot_read_it_is_an_error():
     assert _cfg().reward.functions == ["reasoning_gym"]
-    cfg = load_config("deploy/configs/cpu.toml", ["data.task=reasoning_gym", "data.rg_task=leg_counting"])
+    cfg = load_config(
+        "deploy/configs/cpu.toml", ["data.task=reasoning_gym", "data.reasoning_gym.task=leg_counting"]
+    )
     assert cfg.reward.functions == ["reasoning_gym"]
     with pytest.raises(ValueError, match=r"cannot read reasoning-gym's answers"):
         TandemConfig(data=TASK, reward={"functions": ["gsm8k"]})
@@ -69,13 +68,13 @@ def test_the_task_chooses_its_reward_and_a_verifier_that_cannot_read_it_is_an_er
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"rg_task": None}, "needs one of data.rg_task"),
-        ({"rg_mix": {"leg_counting": 1}}, "needs one of data.rg_task"),
-        ({"task": "arith"}, "data.rg_task applies to data.task = 'reasoning_gym' only"),
-        ({"rg_task": None, "rg_mix": {"leg_counting": 0}}, "weight > 0"),
+        ({"task": None}, "needs data.reasoning_gym.task"),
+        ({"mix": {"leg_counting": 1}}, "data.reasoning_gym: give task or mix, not both"),
+        ({"data_task": "arith"}, "data.reasoning_gym applies to data.task = 'reasoning_gym' only"),
+        ({"task": None, "mix": {"leg_counting": 0}}, "weight > 0"),
         (
-            {"rg_task": None, "rg_mix": {"leg_counting": 1}, "rg_config": {"chain_sum": {}}},
-            "not in data.rg_mix",
+            {"task": None, "mix": {"leg_counting": 1}, "config": {"chain_sum": {}}},
+            "not in data.reasoning_gym.mix",
         ),
     ],
 )
@@ -87,9 +86,9 @@ def test_config_errors_name_the_field(data, message):
 @pytest.mark.parametrize(
     "data, message",
     [
-        ({"rg_task": "leg_count"}, "reasoning-gym has no task 'leg_count' \\(did you mean leg_counting"),
-        ({"rg_config": {"max_terms": 1}}, "data.rg_config for 'basic_arithmetic'"),
-        ({"rg_config": {"no_such_field": 1}}, "data.rg_config for 'basic_arithmetic'.*no_such_field"),
+        ({"task": "leg_count"}, "reasoning-gym has no task 'leg_count' \\(did you mean leg_counting"),
+        ({"config": {"max_terms": 1}}, "data.reasoning_gym.config for 'basic_arithmetic'"),
+        ({"config": {"no_such_field": 1}}, "data.reasoning_gym.config for 'basic_arithmetic'.*no_such_field"),
     ],
 )
 def test_check_config_refuses_an_unknown_task_or_config_in_one_line(data, message):
@@ -104,7 +103,7 @@ def test_the_reward_runs_in_the_workers_as_training_calls_it():
 
     from shared.rewards import RewardCall
 
-    p = load_problems(_cfg(rg_config=SMALL).data, "test")[1]
+    p = load_problems(_cfg(config=SMALL).data, "test")[1]
 
     async def score():
         runner = RewardRunner(_cfg().reward)
