@@ -47,11 +47,16 @@ async def _evaluate(
 ) -> dict:
     """One event loop for the run: the reward runner's worker processes live in it; the (blocking)
     requests to the server go through a thread."""
+    if cfg.env.kind == "verifiers":
+        raise ConfigError(
+            "learner.evaluate does not play a verifiers environment yet: evaluate with the library's own "
+            "eval (vf-eval) against this server's OpenAI API (docs/openai.md)"
+        )
     problems = load_problems(cfg.data, cfg.data.eval_split)[:limit]
     runner = RewardRunner(cfg.reward)
     greedy, rewards, sampled, t0 = [], [], [], time.perf_counter()
 
-    episodes = cfg.env.kind != "single_turn"
+    episodes = cfg.env.turns
 
     async def generate(chunk: list[Problem], messages, n: int, temperature: float):
         # With an environment, each sample is played as an episode by the server, as in training.

@@ -48,6 +48,7 @@ from rollout_server.openai_schema import OpenAIError
 from rollout_server.policy import Policy
 from rollout_server.producer import Producer, load_queue
 from rollout_server.queue import Journal, LeaseError, LeaseQueue
+from rollout_server.verifiers_runner import VerifiersRunner
 from shared import protocol as P
 from shared.config import TandemConfig
 from shared.datasets import DatasetError, Problem, render
@@ -102,6 +103,7 @@ class Server:
             on_failure=lambda name, kind: self.metrics.reward_failures.labels(name, kind).inc(),
             env=[spec for _, spec in cfg.env.fields],  # the environment's code runs there too
         )
+        self.records = token_api.Records()  # what /inference/v1/generate answered, for checking it
         self.producer = Producer(
             cfg,
             backend,
@@ -112,11 +114,11 @@ class Server:
             self.events,
             self.metrics,
             self.rewards,
+            VerifiersRunner(cfg, self.records, model_path) if cfg.env.kind == "verifiers" else None,
         )
         self.failure: str | None = None  # set when the producer dies: /health turns 503
         self.evaluations: set[asyncio.Task] = set()  # /v1/generate work in flight
         self.openai = OpenAIState(cfg.server.openai_max_sequences)  # the OpenAI endpoints' slots
-        self.records = token_api.Records()  # what /inference/v1/generate answered, for checking it
         self.shutting_down = False
         self.producer_task: asyncio.Task | None = None  # producer.run(), once the app has started
 

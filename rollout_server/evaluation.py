@@ -86,13 +86,14 @@ def _slot(s, adapter):
     return s.openai.slots
 
 
-async def sequence(s, prompt: list[int], request: TextRequest, adapter) -> AsyncIterator[Piece]:
-    """One choice, taking an evaluation slot; run again after the wake if a sleep cut it short before
-    its first token (a sleep aborts the engine's requests), at most RETRIES times."""
+async def sequence(s, prompt: list[int], request: TextRequest, adapter, slot=True) -> AsyncIterator[Piece]:
+    """One choice, taking an evaluation slot (unless `slot` is false: production's own requests); run
+    again after the wake if a sleep cut it short before its first token (a sleep aborts the engine's
+    requests), at most RETRIES times."""
     for attempt in range(RETRIES + 1):
         await until_awake(s)
         started = False
-        async with _slot(s, adapter):
+        async with _slot(s, adapter) if slot else contextlib.nullcontext():
             try:
                 async for piece in s.backend.stream(prompt, request, adapter):
                     started = True

@@ -32,7 +32,10 @@ async def generate(req: P.GenerateRequest, s=Depends(server_of)):
         )
     adapter = s.policy.lookup(req.version)
     if req.rows is not None and s.producer.env is None:
-        raise HTTPException(422, "'rows' plays episodes, and this server has no environment (env.kind)")
+        raise HTTPException(
+            422, "'rows' plays episodes in tandem's environment (env.kind 'multi_turn' or 'tools'); this "
+            f"server's env.kind is '{cfg.env.kind}'",
+        )  # fmt: skip
     if req.messages is not None:
         conversations = [[m.model_dump() for m in c] for c in req.messages]
         prompts = [s.producer.conversation_ids(c) for c in conversations]

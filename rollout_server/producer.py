@@ -109,8 +109,12 @@ class Producer:
         events: EventLog,
         metrics,
         rewards: RewardRunner,
+        verifiers=None,
     ):
+        """`verifiers`: the runner of a `verifiers` environment (env.kind = "verifiers"), which then plays
+        every group's episodes and scores them."""
         self.cfg = cfg
+        self.verifiers = verifiers
         self.rewards = rewards
         self.backend = backend
         self.queue = queue
@@ -131,7 +135,7 @@ class Producer:
         self._halted = False  # server shutdown: no new batch
         # Episodes of several turns: the environment, and the tools' schemas the prompts describe.
         self.env, self._tools = None, []
-        if cfg.env.kind != "single_turn":
+        if cfg.env.turns:
             self.env, self._tools = episodes.build(cfg.env, backend.tokenizer, rewards.call_env)
 
     def conversation_ids(self, conversation: list[dict]) -> list[int]:
@@ -199,6 +203,8 @@ class Producer:
         if self._batch is not None and not self._batch.done():
             self._batch.cancel()
             await asyncio.wait({self._batch})
+        if self.verifiers is not None:
+            await self.verifiers.close()
 
     async def run(self) -> None:
         while not self._halted:
@@ -234,6 +240,8 @@ class Producer:
 
     async def _make_groups(self, batch: list[tuple[int, Problem]], adapter) -> list[ScoredGroup]:
         version = adapter.version if adapter else 0
+        if self.verifiers is not None:
+            return await self._verifiers_groups(batch, version)
         s = self.cfg.sampling
         limit = self.cfg.model.max_model_len
         prompts = [self.conversation_ids(p.conversation()) for _, p in batch]
@@ -276,11 +284,45 @@ class Producer:
         zero = [t.env_failed or (self.cfg.reward.truncated == "zero" and t.finish_reason == "length")
                 for *_, group in usable for t in group]  # fmt: skip
         rewards = iter([dict.fromkeys(r, 0.0) if z else r for r, z in zip(rewards, zero, strict=True)])
-        groups = [
-            _group(epoch, problem, ids, group, version, [next(rewards) for _ in group], self.rewards)
-            for epoch, problem, ids, group in usable
-        ]
+        groups = []
+        for epoch, problem, ids, group in usable:
+            scores = [next(rewards) for _ in group]
+            totals = [self.rewards.total(r) for r in scores]
+            groups.append(_group(epoch, problem, ids, group, version, scores, totals))
         self.metrics.observe_batch(groups, elapsed)
+        return groups
+
+    async def _verifiers_groups(self, batch: list[tuple[int, Problem]], version: int) -> list[ScoredGroup]:
+        """Each problem's G episodes played by the `verifiers` environment (rollout_server/
+        verifiers_runner.py), scored by its rewards. A group with an episode that cannot be trained on (its
+        tokens not the engine's, several branches) is dropped, counted and logged; an episode the
+        environment failed counts 0."""
+        t0, g = time.perf_counter(), self.cfg.sampling.group_size
+        played = await asyncio.gather(
+            *(self.verifiers.play(p.metadata["verifiers_task"], g, version) for _, p in batch)
+        )
+        decode, groups = self.backend.tokenizer.decode, []
+        for (epoch, problem), episodes_ in zip(batch, played, strict=True):
+            why = next((e for e in episodes_ if isinstance(e, str)), None)
+            if why is None and len({tuple(e.prompt_ids) for e in episodes_}) > 1:
+                why = "the episodes of one task start from different prompts"
+            if why is not None:
+                log.warning("group of %s dropped: %s", problem.id, why)
+                self.metrics.groups_invalid.inc()
+                continue
+            for e in episodes_:
+                if e.failed:
+                    log.warning("an episode of %s failed (its rewards count 0): %s", problem.id, e.failed)
+            trajectories = [
+                _Trajectory(e.token_ids, e.logprobs, e.mask if 0 in e.mask else None, decode(e.token_ids),
+                            e.last_reply, e.finish_reason, e.failed is not None)
+                for e in episodes_
+            ]  # fmt: skip
+            scores = [dict.fromkeys(e.rewards, 0.0) if e.failed else e.rewards for e in episodes_]
+            totals = [0.0 if e.failed else e.total for e in episodes_]
+            ids = episodes_[0].prompt_ids
+            groups.append(_group(epoch, problem, ids, trajectories, version, scores, totals))
+        self.metrics.observe_batch(groups, time.perf_counter() - t0)
         return groups
 
     async def play(
@@ -349,21 +391,22 @@ def _group(
     prompt_ids: list[int],
     trajectories,
     version: int,
-    rewards,
-    runner: RewardRunner,
+    rewards: list[dict[str, float]],
+    totals: list[float],
 ) -> ScoredGroup:
-    """One group from G trajectories and each one's {function: reward}; the reward is their weighted sum."""
+    """One group from G trajectories, each one's {function: reward} and the weighted sum of them that is
+    trained on."""
     completions = [
         Completion(
             token_ids=t.token_ids,
             logprobs=[min(lp, 0.0) for lp in t.logprobs],  # float noise can give +1e-7
             mask=t.mask,
             text=t.text,
-            reward=runner.total(r),
+            reward=total,
             rewards=r,
             finish_reason=t.finish_reason,
         )
-        for t, r in zip(trajectories, rewards, strict=True)
+        for t, r, total in zip(trajectories, rewards, totals, strict=True)
     ]
     return ScoredGroup(
         group_id=f"{problem.id}-e{epoch}-{uuid.uuid4().hex[:12]}",

@@ -46,7 +46,15 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
         check_vllm_settings(cfg)
     resolve(cfg.reward)
     model_path = resolve_model(cfg.model.name)
-    problems = load_problems(cfg.data)
+    if cfg.env.kind == "verifiers":  # the environment's tasks are the problems (ConfigError: one line)
+        from shared import verifiers_tasks
+
+        problems, source = (
+            verifiers_tasks.problems(cfg.env),
+            f"verifiers taskset {cfg.env.verifiers['taskset']['id']}",
+        )
+    else:
+        problems, source = load_problems(cfg.data), cfg.data.task
     shard = cfg.server.shard_index, cfg.server.num_shards
     if shard[1] > 1:  # each server its own prompts: two never produce the same one in an epoch
         problems = problems[shard[0] :: shard[1]]
@@ -55,7 +63,7 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
                 f"server.shard_index={shard[0]} of server.num_shards={shard[1]} has no problems"
             )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if cfg.env.kind != "single_turn":  # its functions import, its tools have schemas, the template appends
+    if cfg.env.turns:  # its functions import, its tools have schemas, the template appends
         from rollout_server.episodes import build
 
         build(cfg.env, tokenizer)
@@ -64,19 +72,17 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
         log.warning(
             "skipped %d of %d %s problems whose prompt alone leaves no room within model.max_model_len=%d "
             "(ids: %s%s)",
-            len(dropped), len(problems) + len(dropped), cfg.data.task, cfg.model.max_model_len,
+            len(dropped), len(problems) + len(dropped), source, cfg.model.max_model_len,
             ", ".join(dropped[:5]), ", ..." if len(dropped) > 5 else "",
         )  # fmt: skip
     if not problems:
-        raise DatasetError(
-            f"no {cfg.data.task} problem fits within model.max_model_len={cfg.model.max_model_len}"
-        )
+        raise DatasetError(f"no {source} problem fits within model.max_model_len={cfg.model.max_model_len}")
     load_cursor(Path(cfg.server.state_dir) / "cursor.json", len(problems))
     load_queue(Path(cfg.server.state_dir) / "queue.json", cfg.model.name)
     Journal(Path(cfg.server.state_dir) / "queue.jsonl", cfg.model.name).replay()
-    log.info("%d %s problems (%s split%s); rewards: %s", len(problems), cfg.data.task, cfg.data.split,
-             f", shard {shard[0]} of {shard[1]}" if shard[1] > 1 else "",
-             ", ".join(cfg.reward.functions))  # fmt: skip
+    rewards = "the environment's" if cfg.env.kind == "verifiers" else ", ".join(cfg.reward.functions)
+    log.info("%d %s problems (%s split%s); rewards: %s", len(problems), source, cfg.data.split,
+             f", shard {shard[0]} of {shard[1]}" if shard[1] > 1 else "", rewards)  # fmt: skip
     return model_path, problems, len(dropped)
 
 

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout_server.backend import TextRequest
@@ -43,6 +43,7 @@ from rollout_server.openai_schema import (
     is_no_op,
     stop_list,
 )
+from rollout_server.verifiers_runner import PRODUCTION_HEADER
 
 RECORDS = 65_536  # choices kept for checking: minutes of rollouts at any batch size this server runs
 IGNORED = ("seed", "skip_special_tokens", "spaces_between_special_tokens", "detokenize")
@@ -213,7 +214,7 @@ def _entry(token_id: int, logprob: float, rank: int | None = None) -> dict[str, 
 
 
 @router.post("/inference/v1/generate", response_model=TokensResponse, responses=ERRORS)
-async def generate(req: TokensRequest, s=Depends(server_of)):
+async def generate(req: TokensRequest, http: Request, s=Depends(server_of)):
     sp = req.sampling_params
     if bad := sp.unsupported():
         value = sp.model_extra[bad]
@@ -238,7 +239,10 @@ async def generate(req: TokensRequest, s=Depends(server_of)):
         stop_token_ids=tuple(sp.stop_token_ids),
         logprobs=sp.logprobs,
     )
-    choices = await collect(s, [sequence(s, prompt, request, adapter) for _ in range(sp.n)])
+    # the `verifiers` environment's turns are production (rollout_server/verifiers_runner.py), not evaluation
+    runner = s.producer.verifiers
+    production = runner is not None and http.headers.get(PRODUCTION_HEADER) == runner.secret
+    choices = await collect(s, [sequence(s, prompt, request, adapter, not production) for _ in range(sp.n)])
     version, prompt_digest = adapter.version if adapter else 0, digest(prompt)
     out = []
     for i, c in enumerate(choices):

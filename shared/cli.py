@@ -89,9 +89,13 @@ def check_task(cfg: TandemConfig) -> None:
     from shared.rewards import load_env, resolve
 
     resolve(cfg.reward)
-    if cfg.env.kind != "single_turn":
+    if cfg.env.turns:
         load_env(cfg.env)
-    if cfg.data.task in ("custom", "reasoning_gym"):
+    if cfg.env.kind == "verifiers":  # the library, its version, the environment and its tasks
+        from shared import verifiers_tasks
+
+        verifiers_tasks.load(cfg.env)
+    elif cfg.data.task in ("custom", "reasoning_gym"):
         try:
             load_problems(cfg.data)
         except DatasetError as e:

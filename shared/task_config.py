@@ -173,11 +173,22 @@ class RewardConfig(Section):
 class EnvConfig(Section):
     """What an episode is: one completion (single_turn), or turns of the model and an environment."""
 
-    kind: Literal["single_turn", "multi_turn", "tools"] = Field(
+    kind: Literal["single_turn", "multi_turn", "tools", "verifiers"] = Field(
         default="single_turn",
         description="'single_turn': G completions of each prompt (no environment); 'multi_turn': after each "
         "model turn env.step answers, until it says the episode is done; 'tools': the model may call "
-        "env.tools, each call's result comes back as a tool message, and a turn without a call ends it",
+        "env.tools, each call's result comes back as a tool message, and a turn without a call ends it; "
+        "'verifiers': an environment of the verifiers library (env.verifiers), run unchanged: its tasks are "
+        "the prompts (data.* is not read), its harness plays the episodes, its rewards score them",
+    )
+    verifiers: dict[str, Any] = Field(
+        default={},
+        description="verifiers: the environment's config as the library takes it (its EnvConfig), e.g. "
+        "{taskset = {id = 'my_taskset'}}; each seat without a harness or runtime gets the null harness on "
+        "the subprocess runtime (the library's local path; its defaults need a sandbox or a hosted login)",
+    )
+    verifiers_limit: int = Field(
+        default=10000, ge=1, description="verifiers: at most this many of the taskset's tasks (in its order)"
     )
     step: str | None = Field(
         default=None,
@@ -203,10 +214,15 @@ class EnvConfig(Section):
     @property
     def fields(self) -> list[tuple[str, str]]:
         """(config field, 'module:function') of each of the environment's functions: env.step, or each of
-        env.tools; none for single_turn."""
+        env.tools; none for single_turn and verifiers (the library runs its own)."""
         if self.kind == "multi_turn":
             return [("env.step", self.step)]
         return [(f"env.tools[{i}]", spec) for i, spec in enumerate(self.tools)]
+
+    @property
+    def turns(self) -> bool:
+        """Whether tandem's own environment plays episodes of several turns (multi_turn, tools)."""
+        return self.kind in ("multi_turn", "tools")
 
     @model_validator(mode="after")
     def _check(self) -> EnvConfig:
@@ -218,4 +234,9 @@ class EnvConfig(Section):
             raise ValueError(f"env.step is for env.kind = 'multi_turn', not '{self.kind}'")
         if self.kind != "tools" and self.tools:
             raise ValueError(f"env.tools is for env.kind = 'tools', not '{self.kind}'")
+        taskset = self.verifiers.get("taskset")
+        if self.kind == "verifiers" and not (isinstance(taskset, dict) and taskset.get("id")):
+            raise ValueError("env.kind = 'verifiers' needs env.verifiers = {taskset = {id = '<id>'}, ...}")
+        if self.kind != "verifiers" and self.verifiers:
+            raise ValueError(f"env.verifiers is for env.kind = 'verifiers', not '{self.kind}'")
         return self

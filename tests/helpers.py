@@ -144,3 +144,17 @@ def non_finite_bodies(spec: dict) -> list[tuple[str, str]]:
             if kinds & {"number", "integer"}:
                 out += [(path, f'{{"{name}": {c}}}') for c in ("NaN", "Infinity", "-Infinity")]
     return out
+
+
+def rescore(client, steps) -> list[tuple[dict, list[float]]]:
+    """(completion, its model tokens' log-probs re-scored on its group's version) of every trained one."""
+    out = []
+    for record in steps:
+        for g in record["groups"]:
+            for c in g["completions"]:
+                scored = client.score(
+                    g["prompt_token_ids"], c["token_ids"], version=g["policy_version"]
+                ).logprobs
+                mask = c["mask"] or [1] * len(c["token_ids"])
+                out.append((c, [lp for lp, m in zip(scored, mask, strict=True) if m]))
+    return out

@@ -15,7 +15,7 @@ from rollout_server.episodes import Appender
 from shared.config import load_config
 from shared.datasets import load_problems
 from shared.rewards import reasoning_gym
-from tests.helpers import SMALL_LEARNER, start_learner, start_server
+from tests.helpers import SMALL_LEARNER, rescore, start_learner, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -73,25 +73,11 @@ def _train(tmp_path, name: str, task: list[str]) -> tuple[list[dict], list[dict]
         assert client.health().policy_version == 2
         steps = [json.loads(line) for line in (out / "groups.jsonl").read_text().splitlines()]
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        rescored = _rescore(client, steps)
+        rescored = rescore(client, steps)
     finally:
         client.close()
         server.stop()
     return steps, metrics, rescored
-
-
-def _rescore(client, steps) -> list[tuple[dict, list[float]]]:
-    """(completion, its model tokens' log-probs re-scored on its group's version) of every trained one."""
-    out = []
-    for record in steps:
-        for g in record["groups"]:
-            for c in g["completions"]:
-                scored = client.score(
-                    g["prompt_token_ids"], c["token_ids"], version=g["policy_version"]
-                ).logprobs
-                mask = c["mask"] or [1] * len(c["token_ids"])
-                out.append((c, [lp for lp, m in zip(scored, mask, strict=True) if m]))
-    return out
 
 
 def _check(rescored, tokenizer) -> int:

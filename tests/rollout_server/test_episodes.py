@@ -180,7 +180,7 @@ def test_evaluation_plays_each_sample_as_an_episode_with_the_rows_answer(tmp_pat
         assert r.status_code == 422 and "one per prompt" in r.text
     with TestClient(fake_app(tmp_path / "plain", ScriptedBackend(lambda text, i: "x"))) as c:
         r = c.post("/v1/generate", json={"prompts": ["a"], "rows": [{"answer": "1"}]})
-        assert r.status_code == 422 and "no environment" in r.text
+        assert r.status_code == 422 and "this server's env.kind is 'single_turn'" in r.text
 
 
 def test_an_episode_cut_by_a_sleep_is_made_again_whole(tmp_path):
