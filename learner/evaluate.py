@@ -4,7 +4,9 @@
 
 Greedy pass@1 (temperature 0) and, with --k > 1, sampled pass@k at the config's temperature, on the
 `data.eval_split` split of the config's task (with an environment, `env`, each sample played as an
-episode by the server), scored by the reward functions of training (`reward`): a completion is correct
+episode by the server; a `verifiers` environment's held-out tasks, env.verifiers_eval, played by the
+library's harness against the server's OpenAI API and scored by its rewards), scored by the reward
+functions of training (`reward`): a completion is correct
 when its reward is at least 1 (the built-in verifiers give 1 for a right answer), and `reward_greedy` is
 the mean reward of the greedy completions.
 """
@@ -48,10 +50,7 @@ async def _evaluate(
     """One event loop for the run: the reward runner's worker processes live in it; the (blocking)
     requests to the server go through a thread."""
     if cfg.env.kind == "verifiers":
-        raise ConfigError(
-            "learner.evaluate does not play a verifiers environment yet: evaluate with the library's own "
-            "eval (vf-eval) against this server's OpenAI API (docs/openai.md)"
-        )
+        return await _evaluate_verifiers(client, cfg, version, limit)
     problems = load_problems(cfg.data, cfg.data.eval_split)[:limit]
     runner = RewardRunner(cfg.reward)
     greedy, rewards, sampled, t0 = [], [], [], time.perf_counter()
@@ -93,6 +92,48 @@ async def _evaluate(
     if k > 1:
         result[f"pass@{k}_sampled"] = sum(sampled) / len(sampled)
     return result
+
+
+async def _evaluate_verifiers(
+    client: RolloutClient, cfg: TandemConfig, version: int | None, limit: int
+) -> dict:
+    """A `verifiers` environment's held-out tasks (env.verifiers_eval), one greedy episode each, played by
+    the library's own harness through its evaluation client against the server's OpenAI API (chat
+    completions), and scored by its rewards; correct = the weighted reward reaches CORRECT."""
+    from shared import verifiers_tasks
+
+    vf = verifiers_tasks.import_verifiers()
+    env, _ = verifiers_tasks.load(cfg.env)
+    tasks = verifiers_tasks.held_out(cfg.env)[:limit]
+    if not tasks:
+        raise ConfigError("learner.evaluate: env.verifiers_eval = 0 holds out no task of the environment")
+    served = client.health().policy_version if version is None else version
+    key_var = verifiers_tasks.prepare_process(cfg.server.api_token_env)
+    ctx = vf.ModelContext(
+        model=f"policy-v{served}" if served else "base",
+        client=vf.EvalClientConfig(base_url=f"{client.url}/v1", api_key_var=key_var),
+        sampling=vf.SamplingConfig(temperature=0.0, max_tokens=cfg.sampling.max_new_tokens),
+    )
+    gate, t0 = asyncio.Semaphore(cfg.server.openai_max_sequences), time.perf_counter()
+    async with env.serving():
+        episodes = await asyncio.gather(*(env.run_slot(env.slots(task, 1)[0], ctx, gate) for task in tasks))
+    totals, by_name = [], {}
+    for e in episodes:
+        trace = next((tr for tr in e.traces if tr.agent.trainable), None)
+        scored = {n: r for n, r in (trace.rewards if trace and e.ok else {}).items() if r is not None}
+        totals.append(sum(r.score * r.weight for r in scored.values()))
+        for n, r in scored.items():
+            by_name.setdefault(n, []).append(r.score)
+    return {
+        "version": served,
+        "task": f"verifiers:{env.config.taskset.id}",
+        "problems": len(tasks),
+        "pass@1_greedy": sum(x >= CORRECT for x in totals) / len(totals),
+        "reward_greedy": sum(totals) / len(totals),
+        "rewards": {n: sum(v) / len(tasks) for n, v in by_name.items()},
+        "failed": sum(not e.ok for e in episodes),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def _call(output: GeneratedText, p: Problem) -> RewardCall:

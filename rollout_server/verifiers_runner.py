@@ -21,9 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
-import sys
 import time
 from dataclasses import dataclass
 
@@ -35,7 +33,6 @@ from shared.protocol import adapter_name
 
 log = logging.getLogger("tandem.server")
 PRODUCTION_HEADER = "x-tandem-production"
-KEY_VAR = "TANDEM_VERIFIERS_KEY"  # the variable the library's client reads the server's token from
 
 
 @dataclass
@@ -101,11 +98,7 @@ class VerifiersRunner:
         self.secret = secrets.token_hex(16)
         host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         self.url = f"http://{host}:{cfg.server.port}"
-        os.environ[KEY_VAR] = os.environ.get(cfg.server.api_token_env) or "none"
-        # The subprocess runtime prepares the harness program with `uv`, which this environment installs.
-        bindir = os.path.dirname(sys.executable)
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        self.key_var = verifiers_tasks.prepare_process(cfg.server.api_token_env)
         self._serving: contextlib.AsyncExitStack | None = None
         self._lock = asyncio.Lock()
 
@@ -115,7 +108,7 @@ class VerifiersRunner:
         s = self.cfg.sampling
         client = vf.TrainClientConfig(
             base_url=f"{self.url}/v1",
-            api_key_var=KEY_VAR,
+            api_key_var=self.key_var,
             renderer_model_name=self.model_path,
             headers={PRODUCTION_HEADER: self.secret},
         )
@@ -144,12 +137,25 @@ class VerifiersRunner:
             log.info("verifiers environment '%s' serving (%d tasks)", self.env.config.env_id, len(self.tasks))
 
     async def play(self, task_index: int, n: int, version: int) -> list[Played | str]:
-        """`n` episodes of the task, every turn sampled by `version`."""
+        """`n` episodes of the task, every turn sampled by `version`. The library records an episode's
+        failures on it; anything it raises instead is this episode's reason not to be trained on (logged
+        with its traceback), not the server's end."""
         await self._start()
         ctx = self.context(version)
         slots = self.env.slots(self.tasks[task_index], n)
-        episodes = await asyncio.gather(*(self.env.run_slot(slot, ctx) for slot in slots))
-        return [as_played(e, self.records, version) for e in episodes]
+        episodes = await asyncio.gather(
+            *(self.env.run_slot(slot, ctx) for slot in slots), return_exceptions=True
+        )
+        out: list[Played | str] = []
+        for e in episodes:
+            if isinstance(e, asyncio.CancelledError):
+                raise e
+            if isinstance(e, BaseException):
+                log.error("the verifiers environment raised", exc_info=e)
+                out.append(f"the environment raised {type(e).__name__}: {e}")
+            else:
+                out.append(as_played(e, self.records, version))
+        return out
 
     async def close(self) -> None:
         if self._serving is not None:

@@ -2,6 +2,11 @@
 held-out success before and after a short run, the training reward per step, and a plot.
 
     .venv/bin/python scripts/bench_agent.py [--seeds 0,1,2] [--steps 16] [--eval-problems 100]
+    .venv/bin/python scripts/bench_agent.py --task two_turn_sums     # a `verifiers` environment instead
+
+--task two_turn_sums trains on examples/two_turn_sums.py, a taskset of the `verifiers` library played by
+its own harness (env.kind = "verifiers"), and evaluates on its 100 held-out tasks the same way: success is
+its `correct` reward (the second answer right).
 
 Each seed is `scripts/demo.py` (vLLM server with merged versions, DeepSpeed learner, deploy/configs/cpu.toml,
 bf16 where the CPU computes in it) on the calculator task as tool-use episodes: the model may call
@@ -14,6 +19,7 @@ runs/bench-agent/, the plot where --plot says (docs/benchmarks.md §10).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -35,7 +41,15 @@ TASK = [
 ]
 
 
-def plot(runs: dict[int, dict], path: Path) -> None:
+VERIFIERS = [
+    "--env.kind=verifiers",
+    '--env.verifiers={"taskset": {"id": "two_turn_sums"}}',
+    "--env.verifiers_eval=100",
+    "--sampling.max_new_tokens=24",
+]
+
+
+def plot(runs: dict[int, dict], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,27 +69,41 @@ def plot(runs: dict[int, dict], path: Path) -> None:
     )
     for ax in (left, right):
         ax.legend(loc="lower right")
-    fig.suptitle("tandem: GRPO teaches SmolLM2-135M to call a calculator tool (CPU, 2 cores)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", choices=["calculator", "two_turn_sums"], default="calculator")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--eval-problems", type=int, default=100)
-    p.add_argument("--out", default=str(REPO / "runs" / "bench-agent"))
+    p.add_argument("--out", default=None, help="default: runs/bench-agent (calculator), runs/bench-verifiers")
     p.add_argument("--plot", default=None, help="PNG to write (default: <out>/agent.png)")
     p.add_argument("overrides", nargs="*", metavar="--section.key=value", help="more config overrides")
     args, extra = p.parse_known_args()
-    out = Path(args.out).resolve()
-    data = calculator.write(out / "data")
+    if args.task == "two_turn_sums":
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(REPO / "examples"), os.environ.get("PYTHONPATH")])
+        )
+        task, title = (
+            VERIFIERS,
+            "tandem: GRPO on a two-turn verifiers environment, SmolLM2-135M (CPU, 2 cores)",
+        )
+    out = Path(
+        args.out or REPO / "runs" / ("bench-agent" if args.task == "calculator" else "bench-verifiers")
+    )
+    out = out.resolve()
+    if args.task == "calculator":
+        task = [*TASK, f"--data.path={calculator.write(out / 'data')}"]
+        title = "tandem: GRPO teaches SmolLM2-135M to call a calculator tool (CPU, 2 cores)"
     runs = {}
     for seed in [int(s) for s in args.seeds.split(",")]:
         run = out / f"seed{seed}"
         cmd = ["--steps", str(args.steps), "--eval-problems", str(args.eval_problems)]
-        cmd += [*TASK, f"--data.path={data}", *args.overrides, *extra]
+        cmd += [*task, *args.overrides, *extra]
         print(f"== seed {seed} -> {run}", flush=True)
         if (done := run_demo(run, seed, cmd)) is None:
             continue
@@ -101,7 +129,7 @@ def main() -> int:
     gains = [100 * (r["after"] - r["before"]) for r in runs.values()]
     print(f"mean gain: {sum(gains) / len(gains):+.1f} points over {len(runs)} seed(s)")
     path = Path(args.plot) if args.plot else out / "agent.png"
-    plot(runs, path)
+    plot(runs, path, title)
     print(f"plot: {path}")
     return 0 if len(runs) == len(args.seeds.split(",")) else 1
 

@@ -190,6 +190,12 @@ class EnvConfig(Section):
     verifiers_limit: int = Field(
         default=10000, ge=1, description="verifiers: at most this many of the taskset's tasks (in its order)"
     )
+    verifiers_eval: int = Field(
+        default=0,
+        ge=0,
+        description="verifiers: the last this many of those tasks are held out (never trained on) for "
+        "learner.evaluate; 0: none",
+    )
     step: str | None = Field(
         default=None,
         description="multi_turn: 'module:function' or 'path/to/file.py:function', called as "
@@ -237,6 +243,8 @@ class EnvConfig(Section):
         taskset = self.verifiers.get("taskset")
         if self.kind == "verifiers" and not (isinstance(taskset, dict) and taskset.get("id")):
             raise ValueError("env.kind = 'verifiers' needs env.verifiers = {taskset = {id = '<id>'}, ...}")
+        if self.kind == "verifiers" and self.verifiers_eval >= self.verifiers_limit:
+            raise ValueError("env.verifiers_eval must leave tasks to train on: below env.verifiers_limit")
         if self.kind != "verifiers" and self.verifiers:
             raise ValueError(f"env.verifiers is for env.kind = 'verifiers', not '{self.kind}'")
         return self

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import sys
 from typing import Any
 
 from shared.config import ConfigError, EnvConfig
@@ -96,14 +98,40 @@ def load(cfg: EnvConfig):
     return _load(cfg.model_dump_json())
 
 
+KEY_VAR = "TANDEM_VERIFIERS_KEY"  # the variable the library's clients read the server's token from
+
+
+def prepare_process(token_env: str) -> str:
+    """This process ready to run the library's episodes against a tandem server: the server's token (from
+    the variable server.api_token_env names, if set) in KEY_VAR, whose name is returned for the library's
+    client config; and this environment's bin folder on PATH, for the `uv` the subprocess runtime
+    prepares harness programs with."""
+    os.environ[KEY_VAR] = os.environ.get(token_env) or "none"
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    return KEY_VAR
+
+
+def held_out(cfg: EnvConfig) -> list:
+    """The tasks learner.evaluate plays: the last env.verifiers_eval of load(cfg)'s (never trained on)."""
+    tasks = load(cfg)[1]
+    return tasks[len(tasks) - cfg.verifiers_eval :] if cfg.verifiers_eval else []
+
+
 def problems(cfg: EnvConfig) -> list[Problem]:
-    """The taskset's tasks as tandem's problems, in the taskset's order: the id names the taskset and the
-    task's position, the conversation is the task's system prompt and prompt (what the model is first
-    shown; the harness renders it), metadata['verifiers_task'] the task's index in load(cfg)[1]."""
+    """The tasks trained on as tandem's problems, in the taskset's order (without the held-out ones): the id
+    names the taskset and the task's position, the conversation is the task's system prompt and prompt
+    (what the model is first shown; the harness renders it), metadata['verifiers_task'] the task's index
+    in load(cfg)[1]."""
     env, tasks = load(cfg)
     name = env.config.taskset.id
+    if cfg.verifiers_eval and len(tasks) <= cfg.verifiers_eval:
+        raise ConfigError(
+            f"env.verifiers_eval = {cfg.verifiers_eval} holds out all {len(tasks)} tasks of taskset '{name}'"
+        )
     out = []
-    for i, task in enumerate(tasks):
+    for i, task in enumerate(tasks[: len(tasks) - cfg.verifiers_eval]):
         data = task.data
         prompt = data.prompt
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else []

@@ -1,15 +1,20 @@
-"""A `verifiers` environment end to end (env.kind = "verifiers"): a taskset of two-turn episodes written
-here into a temporary folder (its tasks, its rewards, its env's control flow: the model answers, the
-environment asks a follow-up, the model answers again), played by the library's own `null` harness on its
-`subprocess` runtime through its own training client, against the real rollout server (vLLM, SmolLM2) and
-the real DeepSpeed learner, two steps. Every trained episode has two model turns; every model token,
-re-scored on the version stamped on its group, gives back its sampler log-prob; the rubric's values reach
-metrics.jsonl under their names; no group was dropped by the check against the engine's records."""
+"""A `verifiers` environment end to end (env.kind = "verifiers"): a taskset of two-turn episodes
+(examples/two_turn_sums.py: its tasks, its rewards, its env's control flow: the model answers, the
+environment asks a follow-up, the model answers again) written into a temporary folder under a name of the
+test's own, played by the library's own `null` harness on its `subprocess` runtime through its own training
+client, against the real rollout server (vLLM, SmolLM2) and the real DeepSpeed learner, two steps. Every
+trained episode has two model turns; every model token, re-scored on the version stamped on its group,
+gives back its sampler log-prob; the rubric's values reach metrics.jsonl under their names; no group was
+dropped by the check against the engine's records. Then learner.evaluate plays held-out tasks through the
+library's evaluation client against the server's OpenAI API."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,54 +23,8 @@ from tests.helpers import SMALL_LEARNER, TOKEN, proc_env, rescore, start_learner
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("verifiers")
+REPO = Path(__file__).resolve().parents[1]
 
-TASKSET = '''
-"""Two turns: add two numbers, then add a third to the result."""
-import re
-
-import verifiers.v1 as vf
-
-
-class SumData(vf.TaskData):
-    first: int
-    third: int
-    answer: int
-
-
-class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
-    @vf.reward
-    async def correct(self, task, trace) -> float:
-        numbers = re.findall(r"-?\\d+", trace.last_reply or "")
-        return float(bool(numbers) and int(numbers[-1]) == task.answer)
-
-    @vf.reward(weight=0.5)
-    async def first_right(self, task, trace) -> float:
-        replies = [str(m.content) for m in trace.assistant_messages]
-        return float(bool(replies) and str(task.first) in replies[0])
-
-
-class SumEnvConfig(vf.EnvConfig):
-    player: vf.AgentConfig = vf.AgentConfig()
-
-
-class SumEnv(vf.Env[SumEnvConfig]):
-    async def run(self, task, agents):
-        async with agents.player.interaction(task) as chat:
-            segment = await chat.turn()
-            if not segment.terminated:
-                await chat.turn(f"Now add {task.data.third} to that. Reply with the number only.")
-
-
-class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
-    def load(self):
-        for i in range(32):
-            a, b, c = i % 7 + 1, i % 5 + 2, i % 3 + 1
-            prompt = f"What is {a} + {b}? Reply with the number only."
-            yield SumTask(SumData(prompt=prompt, first=a + b, third=c, answer=a + b + c), self.config.task)
-
-
-__all__ = ["SumTaskset", "SumEnv"]
-'''
 
 COMMON = [
     "--sampling.temperature=1.0",  # sampler log-probs are then the policy's own, comparable with /v1/score
@@ -74,12 +33,13 @@ COMMON = [
     "--server.prompts_per_batch=2",
     "--server.queue_size=4",
     "--env.kind=verifiers",
-    '--env.verifiers={"taskset": {"id": "two_turn_sums"}}',
+    '--env.verifiers={"taskset": {"id": "my_sums"}}',
+    "--env.verifiers_eval=8",
 ]
 
 
 def test_two_steps_on_a_verifiers_environment_of_two_turns(tmp_path, model_dir):
-    (tmp_path / "two_turn_sums.py").write_text(TASKSET)
+    (tmp_path / "my_sums.py").write_text((REPO / "examples" / "two_turn_sums.py").read_text())
     env = proc_env(PYTHONPATH=str(tmp_path))
     server, client = start_server(tmp_path, COMMON, env=env)
     out = tmp_path / "run"
@@ -93,14 +53,32 @@ def test_two_steps_on_a_verifiers_environment_of_two_turns(tmp_path, model_dir):
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         rescored = rescore(client, steps)
         text = httpx.get(f"{client.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+        cmd = [
+            sys.executable,
+            "-m",
+            "learner.evaluate",
+            "--config",
+            "deploy/configs/cpu.toml",
+            *COMMON,
+            f"--learner.server_urls={client.url}",
+            "--limit=4",
+            f"--out={tmp_path / 'eval.json'}",
+        ]
+        evaluated = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     finally:
         client.close()
         server.stop()
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:  # the rubric's values, by name
         assert 0 <= m["reward/correct/mean"] <= 1 and 0 <= m["reward/first_right/mean"] <= 1
+    # A group is dropped only where the library split an episode into two branches: SmolLM2 has no
+    # renderer of its own there, so each turn re-renders the conversation, and a reply whose text
+    # tokenizes differently from how it was sampled starts a new branch. Never for the records' check.
     invalid = re.search(r"^tandem_groups_invalid_total (\S+)$", text, re.M)
-    assert invalid and float(invalid[1]) == 0, "a group failed the check against the engine's records"
+    dropped = re.findall(r"group of \S+ dropped: (.*)", (tmp_path / "server.log").read_text())
+    print(f"groups dropped: {len(dropped)} {dropped}")
+    assert invalid and float(invalid[1]) <= len(dropped)  # (the log is read after the server stopped)
+    assert all("trainable branches in a trace" in why for why in dropped), dropped
     assert len(rescored) == 2 * 2 * 4  # 2 steps x 2 prompts x G = 4
     for c, lps in rescored:
         ids, mask = c["token_ids"], c["mask"]
@@ -111,3 +89,9 @@ def test_two_steps_on_a_verifiers_environment_of_two_turns(tmp_path, model_dir):
         assert len(lps) == len(c["logprobs"]) == sum(mask) and len(ids) == len(mask)
         mean = sum(abs(a - b) for a, b in zip(lps, c["logprobs"], strict=True)) / len(lps)
         assert mean < 2e-3, mean
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["version"] == 2 and result["problems"] == 4 and result["failed"] == 0
+    assert result["rewards"].keys() == {"correct", "first_right"}
+    expected = result["rewards"]["correct"] + 0.5 * result["rewards"]["first_right"]
+    assert result["reward_greedy"] == pytest.approx(expected)

@@ -109,3 +109,24 @@ def test_the_extra_pins_the_supported_versions():
 
     extras = tomllib.loads(Path("pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert f"verifiers{verifiers_tasks.SUPPORTED}" in extras["verifiers"]
+
+
+def test_the_tasks_split_into_trained_and_held_out_and_seats_default_to_the_local_path(monkeypatch):
+    pytest.importorskip("verifiers")
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "examples"))
+    env = {"kind": "verifiers", "verifiers": {"taskset": {"id": "two_turn_sums"}}, "verifiers_eval": 100}
+    cfg = TandemConfig(env=env).env
+    problems, held = verifiers_tasks.problems(cfg), verifiers_tasks.held_out(cfg)
+    tasks = verifiers_tasks.load(cfg)[1]
+    assert len(tasks) == 1000 and len(problems) == 900 and held == tasks[900:]
+    assert problems[7].id == "two_turn_sums-7" and problems[7].metadata["verifiers_task"] == 7
+    assert problems[7].question == tasks[7].data.prompt_text
+    assert problems[7].conversation() == [{"role": "user", "content": tasks[7].data.prompt_text}]
+    seat = verifiers_tasks.env_config(cfg).player
+    assert seat.harness.id == "null" and seat.runtime.type == "subprocess"
+    pinned = {**env, "verifiers": {"taskset": {"id": "two_turn_sums"}, "player": {"harness": {"id": "bash"}}}}
+    assert verifiers_tasks.env_config(TandemConfig(env=pinned).env).player.harness.id == "bash"
+    with pytest.raises(ValueError, match="env.verifiers_eval must leave tasks to train on"):
+        TandemConfig(env={**env, "verifiers_limit": 100})
