@@ -50,7 +50,7 @@ class RolloutClient:
         log=print,
         should_stop=lambda: False,
     ):
-        self.url = url.rstrip("/")
+        self.url, self.token = url.rstrip("/"), token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
         self.retry_s, self._log, self._should_stop = retry_s, log, should_stop

@@ -108,7 +108,7 @@ async def _evaluate_verifiers(
     if not tasks:
         raise ConfigError("learner.evaluate: env.verifiers_eval = 0 holds out no task of the environment")
     served = client.health().policy_version if version is None else version
-    key_var = verifiers_tasks.prepare_process(cfg.server.api_token_env)
+    key_var = verifiers_tasks.prepare_process(client.token)
     ctx = vf.ModelContext(
         model=f"policy-v{served}" if served else "base",
         client=vf.EvalClientConfig(base_url=f"{client.url}/v1", api_key_var=key_var),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ class VerifiersRunner:
         self.secret = secrets.token_hex(16)
         host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         self.url = f"http://{host}:{cfg.server.port}"
-        self.key_var = verifiers_tasks.prepare_process(cfg.server.api_token_env)
+        self.key_var = verifiers_tasks.prepare_process(os.environ.get(cfg.server.api_token_env))
         self._serving: contextlib.AsyncExitStack | None = None
         self._lock = asyncio.Lock()
 

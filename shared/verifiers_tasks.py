@@ -101,12 +101,11 @@ def load(cfg: EnvConfig):
 KEY_VAR = "TANDEM_VERIFIERS_KEY"  # the variable the library's clients read the server's token from
 
 
-def prepare_process(token_env: str) -> str:
-    """This process ready to run the library's episodes against a tandem server: the server's token (from
-    the variable server.api_token_env names, if set) in KEY_VAR, whose name is returned for the library's
-    client config; and this environment's bin folder on PATH, for the `uv` the subprocess runtime
-    prepares harness programs with."""
-    os.environ[KEY_VAR] = os.environ.get(token_env) or "none"
+def prepare_process(token: str | None) -> str:
+    """This process ready to run the library's episodes against a tandem server: the server's bearer token
+    (None: it has none) in KEY_VAR, whose name is returned for the library's client config; and this
+    environment's bin folder on PATH, for the `uv` the subprocess runtime prepares harness programs with."""
+    os.environ[KEY_VAR] = token or "none"
     bindir = os.path.dirname(sys.executable)
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
