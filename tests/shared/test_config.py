@@ -362,3 +362,15 @@ def test_gspo_brings_its_own_clip_range_unless_one_is_set():
     assert (g.epsilon_low, g.epsilon_high) == (3e-4, 0.01)
     g = load_config(None, ["grpo.loss=cispo"]).grpo  # the default dual clip is simply not used there
     assert g.dual_clip == 2.0 and (g.epsilon_low, g.epsilon_high) == (0.2, 0.2)
+
+
+def test_every_renamed_field_fails_in_one_line_naming_its_replacement(tmp_path):
+    from shared.config import RENAMED
+
+    for old, new in RENAMED.items():
+        section, _, key = old.rpartition(".")
+        config = tmp_path / "old.toml"
+        config.write_text(f"[{section}]\n{key} = 1\n")  # as a config file from before the rename had it
+        with pytest.raises(ConfigError) as e:
+            load_config(config)
+        assert str(e.value) == f"invalid config: {old}: renamed: use {new}"
