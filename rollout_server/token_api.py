@@ -148,7 +148,9 @@ class Records:
     def __init__(self, capacity: int = RECORDS):
         self.capacity = capacity
         self._kept: OrderedDict[tuple[str, int], tuple[Record, bytes]] = OrderedDict()  # -> (record, content)
-        self._by_content: dict[bytes, tuple[str, int]] = {}
+        # content -> the choices that answered it, oldest first: two episodes of one task can get the same
+        # reply, whose logprobs differ in their last bits with the batch the engine ran each in
+        self._by_content: dict[bytes, list[tuple[str, int]]] = {}
 
     def __contains__(self, request_id: str) -> bool:
         return (request_id, 0) in self._kept
@@ -159,11 +161,14 @@ class Records:
     def add(self, request_id: str, index: int, prompt_ids: list[int], record: Record) -> None:
         content = digest(prompt_ids + list(record.token_ids))
         self._kept[(request_id, index)] = (record, content)
-        self._by_content[content] = (request_id, index)
+        self._by_content.setdefault(content, []).append((request_id, index))
         while len(self._kept) > self.capacity:
             where, (_, old) = self._kept.popitem(last=False)
-            if self._by_content.get(old) == where:
-                del self._by_content[old]
+            same = self._by_content.get(old, [])
+            if where in same:
+                same.remove(where)
+            if not same:
+                self._by_content.pop(old, None)
 
     def check(
         self,
@@ -174,15 +179,17 @@ class Records:
         request: tuple[str, int] | None = None,
     ) -> str | None:
         """Why this sampled span is not exactly what the engine answered (None: it is): to `request`
-        (request id, choice index) when given, else to the same prompt and tokens; the version, the
-        prompt, every token and every logprob, bit for bit."""
+        (request id, choice index) when given, else to any answer of the same prompt with the same tokens;
+        the version, the prompt, every token and every logprob, bit for bit."""
         if request is None:
-            request = self._by_content.get(digest(prompt_ids + list(token_ids)))
-            if request is None:
+            answers = self._by_content.get(digest(prompt_ids + list(token_ids)), [])
+            if not answers:
                 return (
                     f"no engine answer to this prompt ({len(prompt_ids)} tokens) with these {len(token_ids)} "
                     f"tokens among the newest {self.capacity}: not sampled here, or altered"
                 )
+            reasons = [self.check(version, prompt_ids, token_ids, logprobs, a) for a in reversed(answers)]
+            return None if None in reasons else reasons[0]
         request_id, index = request
         r = self._kept.get(request, (None, b""))[0]
         if r is None:

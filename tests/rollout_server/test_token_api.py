@@ -86,6 +86,24 @@ def test_the_records_check_version_prompt_every_token_and_every_logprob():
     assert records.check(3, [6], [7, 8], [-0.25, -1.5]) is None
 
 
+def test_the_same_reply_answered_twice_is_checked_against_each_answer():
+    """Two episodes of one task can get the same reply: the engine ran each in another batch, so their
+    logprobs differ in the last bits. Checked by content, a span matches when it is either answer exactly."""
+    records = Records(capacity=3)
+    first, second = [-0.25, -1.5], [-0.25, -1.5000000000000002]
+    for name, lps in (("a", first), ("b", second)):
+        records.add(
+            name, 0, [1, 2], Record(3, 2, digest([1, 2]), array("q", [7, 8]), array("d", lps), "stop")
+        )
+    assert records.check(3, [1, 2], [7, 8], first) is None
+    assert records.check(3, [1, 2], [7, 8], second) is None
+    assert "logprobs differ" in records.check(3, [1, 2], [7, 8], [-0.25, -1.25])
+    records.add("c", 0, [9], Record(3, 1, digest([9]), array("q", [7]), array("d", [-1.0]), "stop"))
+    records.add("d", 0, [9], Record(3, 1, digest([9]), array("q", [7]), array("d", [-1.0]), "stop"))
+    assert "logprobs differ" in records.check(3, [1, 2], [7, 8], first)  # "a" is gone, "b" is left
+    assert records.check(3, [1, 2], [7, 8], second) is None
+
+
 @pytest.mark.parametrize(
     "body, status, param, message",
     [
