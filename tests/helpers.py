@@ -46,9 +46,10 @@ SMALL_LEARNER = [
 def start_learner(
     url: str, out: Path, log: Path, args: list[str], launcher: list[str] = (), **env: str
 ) -> Proc:
-    """`python -m learner` on cpu.toml with `args`, against the server at `url`, writing to `out`."""
-    cmd = [*launcher, "-m", "learner", "--config", "deploy/configs/cpu.toml", *args]
-    cmd += [f"--learner.server_urls={url}", f"--learner.out_dir={out}"]
+    """`python -m learner` on cpu.toml with `args`, against the server at `url` (unless `args` name
+    learner.server_urls: they come after it), writing to `out`."""
+    cmd = [*launcher, "-m", "learner", "--config", "deploy/configs/cpu.toml", f"--learner.server_urls={url}"]
+    cmd += [*args, f"--learner.out_dir={out}"]
     return Proc(cmd, log, env=proc_env(OMP_NUM_THREADS="1", **env))
 
 
