@@ -120,10 +120,10 @@ async def _evaluate_verifiers(
     totals, by_name = [], {}
     for e in episodes:
         trace = next((tr for tr in e.traces if tr.agent.trainable), None)
-        scored = {n: r for n, r in (trace.rewards if trace and e.ok else {}).items() if r is not None}
-        totals.append(sum(r.score * r.weight for r in scored.values()))
-        for n, r in scored.items():
-            by_name.setdefault(n, []).append(r.score)
+        rewards, total = verifiers_tasks.trace_rewards(trace) if trace and e.ok else ({}, 0.0)
+        totals.append(total)
+        for n, r in rewards.items():
+            by_name.setdefault(n, []).append(r)
     return {
         "version": served,
         "task": f"verifiers:{env.config.taskset.id}",

@@ -313,11 +313,7 @@ class Producer:
             for e in episodes_:
                 if e.failed:
                     log.warning("an episode of %s failed (its rewards count 0): %s", problem.id, e.failed)
-            trajectories = [
-                _Trajectory(e.token_ids, e.logprobs, e.mask if 0 in e.mask else None, decode(e.token_ids),
-                            e.last_reply, e.finish_reason, e.failed is not None)
-                for e in episodes_
-            ]  # fmt: skip
+            trajectories = [_Trajectory.of_played(e, decode(e.token_ids)) for e in episodes_]
             scores = [dict.fromkeys(e.rewards, 0.0) if e.failed else e.rewards for e in episodes_]
             totals = [0.0 if e.failed else e.total for e in episodes_]
             ids = episodes_[0].prompt_ids
@@ -377,6 +373,12 @@ class _Trajectory:
             e.failed is not None,
             {"episode": episode},
         )
+
+    @classmethod
+    def of_played(cls, e, text: str) -> _Trajectory:
+        """A `verifiers` episode's trainable branch (rollout_server/verifiers_runner.Played)."""
+        mask = e.mask if 0 in e.mask else None
+        return cls(e.token_ids, e.logprobs, mask, text, e.last_reply, e.finish_reason, e.failed is not None)
 
 
 def _usable(trajectories: list[_Trajectory]) -> bool:

@@ -76,7 +76,7 @@ def as_played(episode, records, version: int) -> Played | str:
         while j < end and not sampled[j]:
             j += 1
         i = j
-    scored = {name: r for name, r in trace.rewards.items() if r is not None}
+    rewards, total = verifiers_tasks.trace_rewards(trace)
     finish = trace.calls[-1].finish_reason if trace.calls else None
     errors = [*episode.errors, *trace.errors]
     return Played(
@@ -86,8 +86,8 @@ def as_played(episode, records, version: int) -> Played | str:
         logprobs=[lp for lp, m in zip(lps[start:end], sampled[start:end], strict=True) if m],
         finish_reason="length" if finish == "length" else "stop",
         last_reply=trace.last_reply or "",
-        rewards={name: float(r.score) for name, r in scored.items()},
-        total=sum(float(r.score) * float(r.weight) for r in scored.values()),
+        rewards=rewards,
+        total=total,
         failed=None if episode.ok else (f"{errors[0].type}: {errors[0].message}" if errors else "not ok"),
     )
 

@@ -112,6 +112,14 @@ def prepare_process(token: str | None) -> str:
     return KEY_VAR
 
 
+def trace_rewards(trace) -> tuple[dict[str, float], float]:
+    """A trace's rewards by name and their total, the library's weighted sum; a reward the rubric left
+    unset (None) counts in neither."""
+    scored = {name: r for name, r in trace.rewards.items() if r is not None}
+    by_name = {name: float(r.score) for name, r in scored.items()}
+    return by_name, sum(float(r.score) * float(r.weight) for r in scored.values())
+
+
 def held_out(cfg: EnvConfig) -> list:
     """The tasks learner.evaluate plays: the last env.verifiers_eval of load(cfg)'s (never trained on)."""
     tasks = load(cfg)[1]
