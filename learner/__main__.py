@@ -30,11 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     args, cfg = parse_cli("python -m learner", DESCRIPTION, argv, _args)
     from learner.checkpoint import CheckpointError, check_out_dir
     from learner.client import ServerError
+    from shared.cli import check_trackers
     from shared.config import ConfigError, check_batch_size
     from shared.models import ModelError, resolve_model
 
     try:
         check_batch_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+        check_trackers(cfg.learner.report_to)
         if int(os.environ.get("RANK", "0")) == 0:
             check_out_dir(Path(cfg.learner.out_dir), args.resume, cfg.learner.min_free_mb)
         model_path = resolve_model(cfg.model.name)

@@ -328,7 +328,7 @@ def read_inflight(out: Path) -> list[str]:
 
 def write_summary(
     out: Path, engine, state: State, world: int, digest_start: str | None, optimizer_numel: list[int]
-) -> None:
+) -> dict:
     """run_summary.json: where the run ended, and evidence that the base stayed frozen and that ZeRO-2
     split the optimizer state (`optimizer_numel`: each rank's; tests read both)."""
     summary = {
@@ -338,6 +338,7 @@ def write_summary(
     }  # fmt: skip
     with writing(out, "run_summary.json"):
         (out / "run_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 def persist_step(engine, cfg: TandemConfig, out: Path, state: State, groups: list, rank: int):

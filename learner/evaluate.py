@@ -151,6 +151,11 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=100, help="first N test problems")
     p.add_argument("--k", type=int, default=1, help="also sampled pass@k with k samples per problem")
     p.add_argument("--out", help="write the result as JSON here")
+    p.add_argument(
+        "--run-dir",
+        help="a learner's out_dir: append the result to its evaluations.jsonl, which the run's experiment "
+        "trackers (learner.report_to) log as eval/* at its next step",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
+    if args.run_dir:
+        with open(os.path.join(args.run_dir, "evaluations.jsonl"), "a") as f:
+            f.write(json.dumps(result) + "\n")
     return 0
 
 

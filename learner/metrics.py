@@ -1,11 +1,13 @@
-"""Where a step's flat metrics dict goes: JSONL always, TensorBoard when available, one console line.
-Only rank 0 writes."""
+"""Where a step's flat metrics dict goes: JSONL always, TensorBoard and the experiment trackers of
+learner.report_to (learner/trackers.py), one console line. Only rank 0 writes."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+
+from learner.trackers import Trackers
 
 # DESIGN.md §5: every step's record carries at least these.
 STEP_KEYS = (
@@ -16,12 +18,20 @@ STEP_KEYS = (
 
 
 class MetricsSink:
-    def __init__(self, out_dir: Path, total_steps: int, enabled: bool = True):
+    def __init__(
+        self,
+        out_dir: Path,
+        total_steps: int,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        trackers: Trackers | None = None,
+    ):
         self.enabled = enabled
         self.total = total_steps
         self.path = out_dir / "metrics.jsonl"
+        self.trackers = trackers if enabled else None
         self._tb = None
-        if enabled:
+        if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -29,9 +39,12 @@ class MetricsSink:
             except ImportError:  # tensorboard is optional; JSONL is the record
                 self._tb = None
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: dict[str, float], groups=None, decode=None) -> None:
+        """`groups` (the step's) and `decode` (token ids -> text): for the trackers' samples table."""
         if not self.enabled:
             return
+        if self.trackers:
+            metrics = metrics | self.trackers.metrics()
         missing = [k for k in STEP_KEYS if k not in metrics]
         if missing:
             raise KeyError(f"step {step} metrics lack {missing}")
@@ -42,6 +55,8 @@ class MetricsSink:
                 if v is not None:
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self.trackers:
+            self.trackers.step(step, metrics, groups, decode)
         m = metrics
         kl = "-" if m["kl/ref"] is None else f"{m['kl/ref']:.4f}"  # None: beta = 0, no reference pass
         tis = ""  # truncated importance sampling, where it is on
@@ -56,6 +71,8 @@ class MetricsSink:
             flush=True,
         )
 
-    def close(self) -> None:
+    def close(self, summary: dict | None = None) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self.trackers:
+            self.trackers.close(summary or {})

@@ -33,6 +33,7 @@ from learner.metrics import MetricsSink
 from learner.process import Stop, crash_point, keep_freed_memory, pin_threads
 from learner.servers import Pulled, Servers, ack, collect_or_stop, connect, release, sync_server
 from learner.step import batch_metrics, train_step
+from learner.trackers import Trackers
 from shared.config import TandemConfig, check_batch_size
 
 
@@ -51,6 +52,7 @@ class _Run:
     rank: int
     world: int
     pad_id: int
+    decode: object  # token ids -> text (the trackers' samples table)
     log: object
     published: bool = True  # False: stopped before the last step's publish (server unreachable)
     held: deque[Pulled] = field(default_factory=deque)  # learner.lag_steps: pulled, waiting their turn
@@ -175,7 +177,7 @@ def _loop(run: _Run, state: ckpt.State) -> None:
         if run.client is not None:
             metrics |= run.client.metrics()  # several servers: each one's figures
         with ckpt.writing(run.out, "metrics.jsonl"):
-            run.sink.write(state.step, metrics)
+            run.sink.write(state.step, metrics, pulled.groups, run.decode)
         t_handoff = time.perf_counter()
         interrupted, queue_depth = _handoff(run, state, pulled, adapter)
         state.pending_leases = []
@@ -218,10 +220,15 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
             sync_server(client, engine, state, out, log)
         state = broadcast_object(state)  # sync_server may have moved the version on rank 0
         digest_start = ckpt.base_digest(engine) if lead else None
-        sink = MetricsSink(out, cfg.learner.steps, enabled=lead)
+        trackers = Trackers(cfg, out, log) if lead else None
+        if trackers:  # the resolved config once; the steps a tracker missed before a resume
+            trackers.start(cfg.model_dump(), state.step)
+        tensorboard = "tensorboard" in cfg.learner.report_to
+        sink = MetricsSink(out, cfg.learner.steps, enabled=lead, tensorboard=tensorboard, trackers=trackers)
         placement = cfg.learner.placement
         log(f"steps {state.step + 1}..{cfg.learner.steps}, {world} process(es), {placement} placement")
-        run = _Run(cfg, engine, client, offload, device, out, sink, stop, rank, world, pad_id, log)
+        decode = tokenizer.decode
+        run = _Run(cfg, engine, client, offload, device, out, sink, stop, rank, world, pad_id, decode, log)
         try:
             _loop(run, state)
         finally:
@@ -233,10 +240,9 @@ def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
                 client.wake()
         raise
 
-    sink.close()
     optimizer_numel = gather_objects(optimizer_state_numel(run.engine))  # a collective: every rank
-    if lead:
-        ckpt.write_summary(out, engine, state, world, digest_start, optimizer_numel)
+    summary = ckpt.write_summary(out, engine, state, world, digest_start, optimizer_numel) if lead else None
+    sink.close(summary)
     served = f"server serves v{state.version}" if run.published else f"v{state.version} not yet published"
     log(f"done at step {state.step}; {served}" + (" (stopped by signal)" if stop.requested else ""))
     return 0

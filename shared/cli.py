@@ -81,6 +81,18 @@ def parse_cli(
     return args, cfg
 
 
+def check_trackers(report_to: list[str]) -> None:
+    """The experiment trackers of learner.report_to are installed (each is an extra): ConfigError if not."""
+    import importlib.util
+
+    missing = [n for n in report_to if n != "tensorboard" and importlib.util.find_spec(n) is None]
+    if missing:
+        raise ConfigError(
+            f"learner.report_to names {', '.join(missing)}, not installed: "
+            f"pip install 'tandem[{','.join(missing)}]'"
+        )
+
+
 def check_task(cfg: TandemConfig) -> None:
     """What --check-config can check beyond the config's own fields without loading a model: that every
     reward function and the environment's functions import and take the documented arguments, and that
@@ -89,6 +101,7 @@ def check_task(cfg: TandemConfig) -> None:
     from shared.rewards import load_env, resolve
 
     resolve(cfg.reward)
+    check_trackers(cfg.learner.report_to)
     if cfg.env.turns:
         load_env(cfg.env)
     if cfg.env.kind == "verifiers":  # the library, its version, the environment and its tasks

@@ -263,6 +263,45 @@ class DeepSpeedConfig(Section):
     overrides: dict[str, Any] = Field(default={}, description="merged last into the DeepSpeed JSON config")
 
 
+class TrackersConfig(Section):
+    """learner.report_to's experiment trackers: each library's usual settings. Their own environment
+    variables (WANDB_API_KEY, WANDB_MODE, WANDB_ENTITY, TRACKIO_DIR, MLFLOW_TRACKING_URI, ...) still apply
+    where a field is left unset."""
+
+    project: str = Field(default="tandem", description="W&B and Trackio project, MLflow experiment")
+    run_name: str | None = Field(
+        default=None, description="the tracker run's display name (default: the tracker's own choice)"
+    )
+    tags: list[str] = Field(default=[], description="W&B and MLflow tags of the run")
+    samples_every: int = Field(
+        default=10,
+        ge=1,
+        description="log a table of sampled trajectories every this many steps (and at step 1)",
+    )
+    samples_rows: int = Field(
+        default=16, ge=1, le=1024, description="trajectories in each samples table (whole groups, in order)"
+    )
+    wandb_entity: str | None = Field(
+        default=None, description="W&B entity (team or user); default WANDB_ENTITY"
+    )
+    wandb_mode: Literal["online", "offline", "disabled"] | None = Field(
+        default=None, description="W&B mode; default WANDB_MODE, else online"
+    )
+    trackio_dir: str | None = Field(
+        default=None, description="Trackio's local store; default TRACKIO_DIR, else the HF cache's trackio/"
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking URI (a server, 'sqlite:///mlflow.db', or a file store); default "
+        "MLFLOW_TRACKING_URI, else MLflow's default",
+    )
+    flush_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="at the end of the run, wait at most this long for the trackers to send what is queued",
+    )
+
+
 class LearnerConfig(Section):
     server_urls: list[str] = Field(
         default=["http://127.0.0.1:8000"],
@@ -372,9 +411,23 @@ class LearnerConfig(Section):
         "(offline: debugging, and checking that N processes reproduce 1)",
     )
     seed: int = Field(default=0, description="the LoRA initialisation's seed")
+    report_to: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(
+        default=["tensorboard"],
+        description="where each step's metrics go besides metrics.jsonl: any of 'tensorboard', 'wandb', "
+        "'trackio', 'mlflow' (each library an extra: pip install 'tandem[wandb]'); [] for none. A tracker "
+        "runs on its own thread: one that fails or is slow never stops or slows training",
+    )
+    trackers: TrackersConfig = TrackersConfig()
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, v):
+        return [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _check(self) -> LearnerConfig:
         if self.lag_steps and self.replay_file:
             raise ValueError("learner.lag_steps does not apply to learner.replay_file (unset one of them)")
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ValueError(f"learner.report_to names a tracker twice: {self.report_to}")
         return self

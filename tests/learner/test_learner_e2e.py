@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from learner.metrics import STEP_KEYS
+from learner.trackers import mlflow_name
 from shared.protocol import is_degenerate
 from tests.helpers import SMALL_LEARNER, SMALL_RUN, Proc, free_port, start_learner, start_server
 
@@ -330,3 +331,63 @@ def test_resume_after_sigkill_trains_every_leased_group_exactly_once(fresh_serve
     assert killed_at < next(
         e["t"] for e in _jsonl(events_file) if e["event"] == "publish" and e["version"] == 3
     )
+
+
+def test_trackers_get_every_step_once_across_a_resume_with_samples_and_config(server, tmp_path):
+    """W&B (offline), Trackio (local store) and MLflow (file store) for real: 2 steps, an evaluation, a
+    resume for a third; read back from each tracker's own files."""
+    from tests import tracker_files
+
+    for lib in ("wandb", "trackio", "mlflow"):
+        pytest.importorskip(lib)
+    _, client, _ = server
+    out, store, mlruns = tmp_path / "run", tmp_path / "trackio", f"file://{tmp_path / 'mlruns'}"
+    extra = [
+        "--learner.report_to=wandb,trackio,mlflow", "--learner.trackers.samples_every=1",
+        "--learner.trackers.samples_rows=64", f"--learner.trackers.trackio_dir={store}",
+        f"--learner.trackers.mlflow_tracking_uri={mlruns}", "--learner.trackers.run_name=e2e",
+    ]  # fmt: skip
+    env = {"WANDB_MODE": "offline", "MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true"}
+    first = start_learner(
+        client.url, out, tmp_path / "1.log", [*SERVER, *LEARNER, *extra, "--learner.steps=2"], **env
+    )
+    assert first.wait(timeout=900) == 0, first.log()[-5000:]
+    (out / "evaluations.jsonl").write_text(json.dumps({"version": 2, "pass@1_greedy": 0.25}) + "\n")
+    resumed = [*SERVER, *LEARNER, *extra, "--learner.steps=3", "--resume"]
+    second = start_learner(client.url, out, tmp_path / "2.log", resumed, **env)
+    assert second.wait(timeout=900) == 0, second.log()[-5000:]
+
+    records = _jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    trained = {t["step"]: t["groups"] for t in _jsonl(out / "groups.jsonl")}
+    book = json.loads((out / "trackers.json").read_text())
+    assert {n: (b["step"], b["evals"]) for n, b in book.items()} == dict.fromkeys(
+        ("wandb", "trackio", "mlflow"), (3, 1)
+    )
+    runs = {
+        "wandb": tracker_files.wandb_run(out / "wandb", book["wandb"]["id"]),
+        "trackio": tracker_files.trackio_run(store, "tandem", book["trackio"]["id"]),
+        "mlflow": tracker_files.mlflow_run(mlruns, book["mlflow"]["id"]),
+    }
+    for name, run in runs.items():
+        logged = tracker_files.per_step(run["history"])
+        values = {(s, k): v for s, m in run["history"] for k, v in m.items()}
+        for r in records:  # every number of every step, exactly once, with its value
+            for k, v in r.items():
+                if k in ("step", "time") or not isinstance(v, int | float):
+                    continue
+                key = mlflow_name(k) if name == "mlflow" else k
+                assert logged[key].count(r["step"]) == 1, (name, k, logged[key])
+                assert values[(r["step"], key)] == pytest.approx(v, rel=1e-12), (name, k)
+        eval_key = "eval/pass_1_greedy" if name == "mlflow" else "eval/pass@1_greedy"
+        assert logged[eval_key] == [3] and values[(3, eval_key)] == 0.25, name
+        assert run["config"]["learner"]["report_to"] == ["wandb", "trackio", "mlflow"], name
+        assert sorted(run["tables"]) == [1, 2, 3], name
+        for step, rows in run["tables"].items():  # the step's trajectories, in group order
+            completions = [
+                (g["policy_version"], c["text"], c["reward"]) for g in trained[step] for c in g["completions"]
+            ]
+            assert [(r["version"], r["completion"], r["reward"]) for r in rows] == completions, (name, step)
+            assert all(r["prompt"] and r["turns"] == 1 and r["step"] == step for r in rows)
+        assert run["summary"]["policy_version"] == 3, name  # the run's summary (run_summary.json's)
+    assert runs["mlflow"]["status"] == "FINISHED"
