@@ -260,3 +260,36 @@ def test_a_tracker_that_is_not_installed_is_a_config_error(monkeypatch):
         load_config(None, ["learner.report_to=wandb,wandb"])
     with pytest.raises(ConfigError, match="learner.report_to.0: Input should be 'tensorboard'"):
         load_config(None, ["learner.report_to=neptune"])
+
+
+def test_learner_evaluate_run_dir_appends_what_the_trackers_send(tmp_path, monkeypatch, capsys):
+    from learner import evaluate as evaluate_mod
+
+    class Client:
+        def __init__(self, url, token=None):
+            pass
+
+        def wait_ready(self, timeout):
+            pass
+
+    results = iter(
+        [{"version": 0, "pass@1_greedy": 0.1, "task": "gsm8k"}, {"version": 2, "pass@1_greedy": 0.4}]
+    )
+    monkeypatch.setattr(evaluate_mod, "RolloutClient", Client)
+    monkeypatch.setattr(evaluate_mod, "evaluate", lambda *a: next(results))
+    for _ in range(2):
+        assert evaluate_mod.main(["--limit", "4", "--run-dir", str(tmp_path)]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "evaluations.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in lines] == [0, 2]
+
+    cfg = _cfg()
+    sink, trackers = _sink(tmp_path, cfg)
+    trackers.start(cfg.model_dump(), 0)
+    sink.write(1, _metrics(1))
+    sink.close({})
+    (log,) = _logs()
+    # both evaluations since the last step, the newest winning a key; text is not a number: not sent
+    assert {k: v for k, v in log[2].items() if k.startswith("eval/")} == {
+        "eval/version": 2.0,
+        "eval/pass@1_greedy": 0.4,
+    }
