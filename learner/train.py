@@ -131,6 +131,30 @@ def _handoff(run: _Run, state: ckpt.State, pulled: Pulled, adapter) -> tuple[boo
     return False, depth
 
 
+@contextlib.contextmanager
+def _profiled(run: _Run, step: int):
+    """learner.profile_step: that step's training under torch.profiler, rank 0's operators by self time
+    (the table) and its trace written to out_dir/profile/. Its train time includes the profiler's cost."""
+    if run.cfg.learner.profile_step != step or run.rank != 0:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        yield
+    folder = run.out / "profile"
+    folder.mkdir(exist_ok=True)
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    tables = [
+        f"{title}:\n" + prof.key_averages(group_by_input_shape=shapes).table(sort_by=sort, row_limit=40)
+        for title, shapes in (("by operator", False), ("by operator and input shapes", True))
+    ]
+    (folder / f"step_{step}.txt").write_text("\n".join(tables) + "\n")
+    prof.export_chrome_trace(str(folder / f"step_{step}.trace.json"))
+    run.log(f"step {step} profiled: {folder / f'step_{step}.txt'}")
+
+
 def _loop(run: _Run, state: ckpt.State) -> None:
     """pull -> [sleep] -> train -> persist (adapter, groups, checkpoint) -> metrics -> ack -> publish ->
     [wake], until learner.steps or a stop."""
@@ -146,7 +170,8 @@ def _loop(run: _Run, state: ckpt.State) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t_train = time.perf_counter()
-        metrics = train_step(engine, pulled.groups, cfg, run.rank, run.world, run.pad_id)
+        with _profiled(run, state.step + 1):
+            metrics = train_step(engine, pulled.groups, cfg, run.rank, run.world, run.pad_id)
         train_s = time.perf_counter() - t_train
         if cuda:  # what training held on the GPU at its busiest (PyTorch's tensors; the context is extra)
             metrics["mem/gpu_train_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20

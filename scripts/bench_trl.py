@@ -107,7 +107,11 @@ def breakdown(records: list[dict], events: list[dict]) -> dict[str, float]:
     return out
 
 
-def run_trl(args, cfg, work: Path) -> list[tuple[float, float]]:
+def run_trl(args, cfg, work: Path, tuned: bool) -> list[tuple[float, float]]:
+    """TRL as it ships (tuned=False: its GRPOConfig's defaults, gradient checkpointing on), or tuned as a
+    user who benchmarks would: gradient checkpointing off and glibc keeping freed memory, as tandem's
+    learner does (learner/process.keep_freed_memory). Call the default first: the allocator setting
+    stays for the rest of the process."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -152,7 +156,12 @@ def run_trl(args, cfg, work: Path) -> list[tuple[float, float]]:
         logging_steps=1,
         save_strategy="no",
         seed=0,
+        **({"gradient_checkpointing": False} if tuned else {}),
     )
+    if tuned:
+        from learner.process import keep_freed_memory
+
+        keep_freed_memory(lambda *a: None)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model.name), dtype=dtype)
     peft = LoraConfig(
@@ -189,7 +198,7 @@ def run_trl(args, cfg, work: Path) -> list[tuple[float, float]]:
         peft_config=peft,
         callbacks=[timer],
     )
-    print(f"[trl] {args.steps} steps ...", flush=True)
+    print(f"[trl{' tuned' if tuned else ''}] {args.steps} steps ...", flush=True)
     timer.t = time.perf_counter()
     trainer.train()
     return list(zip(timer.step_s, timer.tokens, strict=True))
@@ -199,6 +208,43 @@ def print_breakdown(phases: dict[str, float], args) -> None:
     print(f"\na tandem step ({args.dtype}), median seconds of steps 2..{args.steps}:")
     for label, seconds in phases.items():
         print(f"  {seconds:6.2f}  {label}")
+
+
+def limit_model(run: Path) -> dict:
+    """The timed steps (2..) against what the machine allows (scripts/limits.py, its assumptions there):
+    the median of each phase, measured and floor, and their ratio."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    from limits import floors
+
+    f = floors(run)
+    timed = f["steps"][1:]
+    med = {k: statistics.median(s[k] for s in timed) for k in timed[0] if k != "step"}
+    floor_step = med["floor_generation_s"] + med["floor_training_s"]
+    return {
+        "rates": f["rates"],
+        "generation": {"measured_s": med["pull_s"], "floor_s": med["floor_generation_s"]},
+        "training": {"measured_s": med["train_s"], "floor_s": med["floor_training_s"]},
+        "step": {"measured_s": med["step_s"], "floor_s": floor_step},
+        "ratios": {
+            "generation": med["pull_s"] / med["floor_generation_s"],
+            "training": med["train_s"] / med["floor_training_s"],
+            "step": med["step_s"] / floor_step,
+        },
+    }
+
+
+def print_limits(limits: dict) -> None:
+    r = limits["rates"]
+    print(f"\nagainst the machine's limits (scripts/limits.py; measured here: {r['flops'] / 1e12:.2f} "
+          f"TFLOP/s matmul, {r['bandwidth'] / 1e9:.1f} GB/s memory), median of the timed steps:")  # fmt: skip
+    for phase, label in (
+        ("generation", "generation (pull)"),
+        ("training", "training"),
+        ("step", "whole step"),
+    ):
+        m = limits[phase]
+        print(f"  {label:18} measured {m['measured_s']:6.2f} s, floor {m['floor_s']:5.2f} s: "
+              f"measured / floor = {limits['ratios'][phase]:.1f}")  # fmt: skip
 
 
 def main() -> int:
@@ -237,10 +283,19 @@ def main() -> int:
         default=None,
         help="run one side alone (to profile it); the ratio needs both",
     )
+    p.add_argument(
+        "--trl",
+        default="default,tuned",
+        help="TRL's variants, comma-separated: 'default' (as it ships) and 'tuned' (gradient checkpointing "
+        "off, freed memory kept as tandem keeps it)",
+    )
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args()
     if args.steps < 2:
         p.error("--steps must be >= 2 (the first step is a warm-up)")
+    variants = [v.strip() for v in args.trl.split(",") if v.strip()]
+    if not variants or set(variants) - {"default", "tuned"}:
+        p.error(f"--trl {args.trl!r}: give 'default', 'tuned' or both")
     args.dtype = native_dtype() if args.dtype == "auto" else args.dtype  # one precision for both sides
     try:  # both sides read this config; say what is wrong before starting anything
         cfg = load_config(args.config, overrides(args))
@@ -252,11 +307,13 @@ def main() -> int:
     except ImportError:
         p.error("TRL is not installed: .venv/bin/pip install trl==1.16.0")
     work = Path(tempfile.mkdtemp(prefix="tandem-bench-trl-"))
-    sides, phases = {}, {}
+    sides, phases, limits = {}, {}, None
     if args.only in (None, "tandem"):
         sides["tandem"], phases = run_tandem(args, work)
+        limits = limit_model(work / "learner")
     if args.only in (None, "trl"):
-        sides["trl"] = run_trl(args, cfg, work)
+        for v in sorted(variants, key=["default", "tuned"].index):  # the default first (see run_trl)
+            sides["trl" if v == "default" else "trl_tuned"] = run_trl(args, cfg, work, v == "tuned")
     n = args.prompts * args.group_size
     result = {
         "workload": f"{args.prompts} prompts x G={args.group_size}, <= {args.max_tokens} new tokens",
@@ -270,25 +327,24 @@ def main() -> int:
         result[f"{name}_completions_per_s"] = n / result[f"{name}_median_step_s"]
         # The policies drift apart (one learns to answer shorter), so tokens/s is the fairer rate.
         result[f"{name}_completion_tokens_per_s"] = sum(t for _, t in timed) / sum(s for s, _ in timed)
-    if args.only:
-        print(f"\n{args.only}: step time {result[f'{args.only}_median_step_s']:.1f} s (median of steps "
-              f"2..{args.steps}); work folder {work}")  # fmt: skip
-        if args.only == "tandem":
-            print_breakdown(phases, args)
-        return 0
-    t, r = result["tandem_median_step_s"], result["trl_median_step_s"]
-    tt, rt = result["tandem_completion_tokens_per_s"], result["trl_completion_tokens_per_s"]
-    result["tandem_step_breakdown_s"] = phases
     result["dtype"] = args.dtype
-    result["step_time_ratio_tandem_over_trl"] = t / r
-    result["tokens_per_s_ratio_tandem_over_trl"] = tt / rt
-    print(
-        f"\nstep time (median of steps 2..{args.steps}): tandem {t:.1f} s, TRL {r:.1f} s; "
-        f"tandem/TRL = {t / r:.2f}\ncompletions/s: tandem {n / t:.2f}, TRL {n / r:.2f}\n"
-        f"completion tokens/s (steps 2..{args.steps}): tandem {tt:.1f}, TRL {rt:.1f}; "
-        f"tandem/TRL = {tt / rt:.2f}"
-    )
-    print_breakdown(phases, args)
+    if "tandem" in sides:
+        result["tandem_step_breakdown_s"] = phases
+        result["limit_model"] = limits
+    print(f"\nmedian step time of steps 2..{args.steps} ({args.dtype}; work folder {work}):")
+    for name in sides:
+        print(f"  {name:10} {result[f'{name}_median_step_s']:6.1f} s, "
+              f"{result[f'{name}_completion_tokens_per_s']:6.1f} completion tokens/s")  # fmt: skip
+    if "tandem" in sides:
+        t, tt = result["tandem_median_step_s"], result["tandem_completion_tokens_per_s"]
+        for name, label in (("trl", "TRL default"), ("trl_tuned", "TRL tuned")):
+            if name in sides:
+                r, rt = result[f"{name}_median_step_s"], result[f"{name}_completion_tokens_per_s"]
+                result[f"step_time_ratio_tandem_over_{name}"] = t / r
+                result[f"tokens_per_s_ratio_tandem_over_{name}"] = tt / rt
+                print(f"  tandem / {label}: step time {t / r:.2f}, tokens/s {tt / rt:.2f}")
+        print_breakdown(phases, args)
+        print_limits(limits)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -411,6 +411,12 @@ class LearnerConfig(Section):
         "(offline: debugging, and checking that N processes reproduce 1)",
     )
     seed: int = Field(default=0, description="the LoRA initialisation's seed")
+    profile_step: int | None = Field(
+        default=None,
+        ge=1,
+        description="profile this step's training (forward, backward, optimizer) with torch.profiler: the "
+        "operators by self time in out_dir/profile/step_<N>.txt and a Chrome trace beside it; None: off",
+    )
     report_to: list[Literal["tensorboard", "wandb", "trackio", "mlflow"]] = Field(
         default=["tensorboard"],
         description="where each step's metrics go besides metrics.jsonl: any of 'tensorboard', 'wandb', "

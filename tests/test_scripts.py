@@ -165,3 +165,28 @@ def test_the_calculator_example_is_a_task_the_server_takes_and_scores_only_the_p
     assert out.returncode == 0, out.stderr
     cfg = json.loads(out.stdout)
     assert cfg["env"]["tools"] == ["examples/calculator.py:multiply"] and cfg["env"]["kind"] == "tools"
+
+
+def test_the_limit_model_counts_a_step_by_hand():
+    """scripts/limits.py on a toy decoder at 1 FLOP/s and 1 byte/s: its seconds are its counts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("limits", REPO / "scripts/limits.py")
+    limits = importlib.util.module_from_spec(spec)
+    sys.modules["limits"] = limits  # its dataclasses look their module up
+    spec.loader.exec_module(limits)
+    shapes = limits.Shapes(d=2, inner=3, layers=1, heads=1, kv_heads=1, head_dim=2, vocab=5)
+    assert (shapes.layer_weights, shapes.head_weights) == (
+        2 * 4 + 8 + 18,
+        10,
+    )  # q,o 2x2; k,v 2x2; MLP 3x(2x3)
+    group = {"prompt_token_ids": [1, 2], "completions": [{"token_ids": [3]}, {"token_ids": [4, 5]}]}
+    unit = limits.Rates(flops=1.0, bandwidth=1.0)
+    # training: prompt 2*34*2 + attention 8*(0+1); completions 2*44*n + attention 8*ctx: 144 + 104 + 216
+    assert limits.training_floor([group], shapes, unit, forwards=2.0) == 2 * 464
+    # generation: prefill 2*44*2 + 8 = 184; decode t=0: 2 live, compute 2*(88+16) = 208 > read 88+2*16;
+    # t=1: 1 live at context 3, compute 88+24 = read 88+24 = 112
+    assert limits.generation_floor([group], shapes, unit, bytes_per=2) == 184 + 208 + 112
+    cfg = {"grpo": {"beta": 0.04, "old_logprobs": "recompute"}}
+    assert limits.forwards_per_step(cfg) == 4.0
+    assert limits.forwards_per_step({"grpo": {"beta": 0.0, "old_logprobs": "sampler"}}) == 2.0

@@ -122,11 +122,19 @@ def test_two_processes_reproduce_one_on_the_same_groups(three_steps, tmp_path):
     p = learner(
         "http://127.0.0.1:1",
         two,
-        ["--learner.steps=1", f"--learner.replay_file={out / 'groups.jsonl'}", "--learner.grad_accum=1"],
+        # profiled too (rank 0): the profiler must not change what a step computes
+        ["--learner.steps=1", f"--learner.replay_file={out / 'groups.jsonl'}", "--learner.grad_accum=1",
+         "--learner.profile_step=1"],
         tmp_path / "two.log",
         launcher=["-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}"],
-    )
+    )  # fmt: skip
     assert p.wait(timeout=600) == 0, p.log()[-5000:]
+    profile = (two / "profile" / "step_1.txt").read_text()
+    assert "by operator:" in profile and "by operator and input shapes:" in profile
+    assert any(op in profile for op in ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm")), profile[
+        :2000
+    ]
+    assert (two / "profile" / "step_1.trace.json").stat().st_size > 0
     one_m, two_m = _jsonl(out / "metrics.jsonl")[0], _jsonl(two / "metrics.jsonl")[0]
     assert two_m["grad_norm"] == pytest.approx(one_m["grad_norm"], rel=1e-4)
     assert two_m["loss"] == pytest.approx(one_m["loss"], rel=1e-4, abs=1e-7)
