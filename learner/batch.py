@@ -3,7 +3,7 @@ step's completions into this rank's micro-batches. Token ids are used exactly as
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -66,7 +66,8 @@ def shard(seqs: list[Sequence], rank: int, world: int, micro: int) -> list[list[
 class _Tensors:
     def to(self, device):
         """The same batch with every tensor on `device` (the model's: the batch is built on the host)."""
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v.to(device) for k, v in tensors.items() if isinstance(v, torch.Tensor)})
 
 
 @dataclass
@@ -130,6 +131,8 @@ class PackedBatch(_Tensors):
     mask: torch.Tensor  # [n, T] as MicroBatch
     sampler_logprobs: torch.Tensor  # [n, T]
     advantages: torch.Tensor  # [n]
+    # per row: (start, end) of the prompt, then of each completion, back to back (learner/attention.py)
+    layout: list[list[tuple[int, int]]] = field(default_factory=list)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[R, 1, L, L]: 0 where attended, the dtype's minimum elsewhere (eager and SDPA both add it)."""
@@ -151,8 +154,10 @@ def pack(batch: list[Sequence], pad_id: int) -> PackedBatch:
     position_ids = torch.zeros((R, L), dtype=torch.long)
     segment = torch.full((R, L), -1, dtype=torch.long)  # 0 prompt, i+1 completion i, -1 padding
     predictors: list[tuple[int, int]] = []  # (row, position) of the logits predicting each token
+    layout: list[list[tuple[int, int]]] = []
     for r, run in enumerate(runs):
         P = len(run[0].prompt)
+        layout.append([(0, P)])
         input_ids[r, :P] = torch.tensor(run[0].prompt)
         position_ids[r, :P] = torch.arange(P)
         segment[r, :P] = 0
@@ -162,6 +167,7 @@ def pack(batch: list[Sequence], pad_id: int) -> PackedBatch:
             input_ids[r, start : start + C] = torch.tensor(s.completion)
             position_ids[r, start : start + C] = torch.arange(P, P + C)
             segment[r, start : start + C] = i + 1
+            layout[r].append((start, start + C))
             # Token 0 is predicted by the prompt's last position, token t > 0 by the one before it.
             predictors += [(r, P - 1)] + [(r, start + t - 1) for t in range(1, C)]
             start += C
@@ -172,4 +178,6 @@ def pack(batch: list[Sequence], pad_id: int) -> PackedBatch:
     where = torch.searchsorted(keep, torch.tensor([p for _, p in predictors], dtype=torch.long))
     rows = torch.tensor([r for r, _ in predictors], dtype=torch.long) * len(keep) + where
     targets = torch.tensor([t for s in batch for t in s.completion], dtype=torch.long)
-    return PackedBatch(input_ids, position_ids, allowed, keep, rows, targets, *_per_completion(batch))
+    packed = PackedBatch(input_ids, position_ids, allowed, keep, rows, targets, *_per_completion(batch))
+    packed.layout = layout
+    return packed

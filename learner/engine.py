@@ -103,6 +103,10 @@ def build_engine(cfg: TandemConfig, model_path: str, world_size: int, on_cpu: bo
             f"learner.shared_prompt packs a group's completions behind one prompt with a custom attention "
             f"mask, which {attention} attention cannot take: set learner.shared_prompt=false"
         )
+    if cfg.learner.shared_prompt and attention == "sdpa" and cfg.learner.packed_attention == "segments":
+        from learner.attention import NAME
+
+        base.set_attn_implementation(NAME)
     lora = LoraConfig(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from learner.attention import with_layout
 from learner.batch import MicroBatch, PackedBatch, collate, is_degenerate, pack, sequences, shard
 from learner.engine import gather_objects, reference_policy
 from learner.grpo import grpo_loss, picked_logprobs, token_logprobs
@@ -22,7 +23,8 @@ def completion_logprobs(model, b: MicroBatch | PackedBatch, dtype, temperature: 
         logits = model(
             input_ids=b.input_ids,
             position_ids=b.position_ids,
-            attention_mask=b.additive_mask(dtype),
+            # with the rows' segments for the "tandem_packed" attention (learner/attention.py)
+            attention_mask=with_layout(b.additive_mask(dtype), b.layout),
             logits_to_keep=b.keep,
             use_cache=False,
         ).logits  # [R, K, V]

@@ -4,6 +4,7 @@
     .venv/bin/python scripts/bench_learner.py --gsm8k-shaped   # ~150-token prompts, ~200-token completions
     .venv/bin/python scripts/bench_learner.py RUN/learner/groups.jsonl --compare processes
     .venv/bin/python scripts/bench_learner.py RUN/learner/groups.jsonl --compare old_logprobs
+    .venv/bin/python scripts/bench_learner.py RUN/learner/groups.jsonl --compare packed_attention
 
 Replays recorded groups (learner.replay_file: no server, the exact same batches) through the real DeepSpeed
 ZeRO-2 learner, once per variant, side by side in one run, and prints completion tokens per second of
@@ -13,6 +14,8 @@ reference path) against true (each prompt encoded once per micro-batch, logits o
 process. `--compare processes`: 1 process against 2 (torchrun, gloo) with the cores split between them.
 `--compare old_logprobs`: the sampler's log-probs as π_old against the learner's recomputed ones with
 truncated importance sampling (grpo.old_logprobs = recompute, grpo.tis_cap = 2): what the correction costs.
+`--compare packed_attention`: the packed rows' attention over the whole row under its mask (the reference)
+against segment by segment (learner.packed_attention, learner/attention.py).
 """
 
 from __future__ import annotations
@@ -133,7 +136,9 @@ def main() -> int:
         "groups", type=Path, nargs="?", help="a run's learner/groups.jsonl (its config.json beside it)"
     )
     p.add_argument("--gsm8k-shaped", action="store_true", help="replay a generated GSM8K-shaped set instead")
-    p.add_argument("--compare", choices=["paths", "processes", "old_logprobs"], default="paths")
+    p.add_argument(
+        "--compare", choices=["paths", "processes", "old_logprobs", "packed_attention"], default="paths"
+    )
     p.add_argument("--config", default="deploy/configs/cpu.toml")
     p.add_argument("--steps", type=int, default=4, help="steps to replay; the first is a warm-up")
     p.add_argument("--micro-batch-size", type=int, default=8)
@@ -154,6 +159,11 @@ def main() -> int:
         variants = {
             "plain": dict(extra=("--learner.shared_prompt=false",)),
             "shared_prompt": dict(extra=("--learner.shared_prompt=true",)),
+        }
+    elif args.compare == "packed_attention":
+        variants = {
+            "mask": dict(extra=("--learner.shared_prompt=true", "--learner.packed_attention=mask")),
+            "segments": dict(extra=("--learner.shared_prompt=true", "--learner.packed_attention=segments")),
         }
     elif args.compare == "old_logprobs":
         variants = {

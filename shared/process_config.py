@@ -367,6 +367,12 @@ class LearnerConfig(Section):
         "row, block attention mask) and compute logits only where a token is scored; false: one padded row "
         "per completion with full logits, the reference path",
     )
+    packed_attention: Literal["segments", "mask"] = Field(
+        default="segments",
+        description="with shared_prompt on an SDPA model: 'segments' attends each packed completion to its "
+        "prompt and itself only (the arithmetic needed); 'mask': SDPA over the whole row under its mask, "
+        "the reference (learner/attention.py)",
+    )
     offload_weights_while_generating: bool = Field(
         default=True,
         description="timeslice placement on a GPU: the frozen base weights wait in host RAM while the server "

@@ -4,6 +4,7 @@ path must give the plain path's loss, metrics and LoRA gradients (the plain path
 import pytest
 import torch
 
+import learner.attention  # noqa: F401 (registers the tandem_packed attention)
 from learner.batch import Sequence, collate, pack, shard
 from learner.step import micro_loss
 from shared.config import load_config
@@ -27,6 +28,7 @@ def _sequences(vocab: int, seed: int = 0) -> list[Sequence]:
 
 
 def test_pack_hand_worked():
+    """The layout the packed attention computes by (learner/attention.py) is checked here too."""
     # Two completions of prompt (5, 6, 7) and one of prompt (9,): two rows.
     a, b = Sequence([5, 6, 7], [10, 11], [-1.0, -2.0], 1.0), Sequence([5, 6, 7], [12], [-3.0], -1.0)
     c = Sequence([9], [13, 14, 15], [-1.0, -1.0, -1.0], 0.5)
@@ -45,6 +47,7 @@ def test_pack_hand_worked():
     assert p.targets.tolist() == [10, 11, 12, 13, 14, 15]
     assert p.mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1]]
     assert p.advantages.tolist() == [1.0, -1.0, 0.5]
+    assert p.layout == [[(0, 3), (3, 5), (5, 6)], [(0, 1), (1, 4)]]
 
 
 def _tiny(arch: str, attn: str):
@@ -118,7 +121,18 @@ def _cfg(beta: float, aggregation: str, options: tuple[str, ...] = ()):
 
 @pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean", "constant_norm"])
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("qwen2", "sdpa"), ("llama", "eager")])
+@pytest.mark.parametrize(
+    "arch,attn",
+    # tandem_packed: the attention the learner gives an SDPA model for packed rows (learner/attention.py);
+    # sdpa and eager: the row's mask over the whole row, the reference it replaces
+    [
+        ("llama", "sdpa"),
+        ("qwen2", "sdpa"),
+        ("llama", "eager"),
+        ("llama", "tandem_packed"),
+        ("qwen2", "tandem_packed"),
+    ],
+)
 def test_packed_equals_plain_fp32(arch, attn, beta, aggregation):
     model = _peft(_tiny(arch, attn))
     seqs, cfg = _sequences(97), _cfg(beta, aggregation)
@@ -148,8 +162,9 @@ def test_packed_equals_plain_for_each_off_policy_correction(options):
         assert plain[1]["ratio/mean"] == pytest.approx(1.0)  # recomputed π_old: the ratio's value is 1
 
 
-def test_packed_equals_plain_with_gradient_checkpointing():
-    model = _peft(_tiny("qwen2", "sdpa"))
+@pytest.mark.parametrize("attn", ["sdpa", "tandem_packed"])
+def test_packed_equals_plain_with_gradient_checkpointing(attn):
+    model = _peft(_tiny("qwen2", attn))
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     model.train()  # transformers checkpoints only in training mode
@@ -158,15 +173,18 @@ def test_packed_equals_plain_with_gradient_checkpointing():
     _assert_same(_run(model, seqs, cfg, False, 6), _run(model, seqs, cfg, True, 6), rel=1e-4)
 
 
-def test_packed_close_to_plain_in_bf16():
-    model = _peft(_tiny("llama", "sdpa")).to(torch.bfloat16)
+@pytest.mark.parametrize("attn", ["sdpa", "tandem_packed"])
+def test_packed_close_to_plain_in_bf16(attn):
+    model = _peft(_tiny("llama", attn)).to(torch.bfloat16)
     seqs, cfg = _sequences(97), _cfg(0.04, "token_mean")
     _assert_same(_run(model, seqs, cfg, False, 12), _run(model, seqs, cfg, True, 12), rel=5e-2)
 
 
-def test_packed_equals_plain_on_smollm2(model_dir):
+@pytest.mark.parametrize("attn", ["sdpa", "tandem_packed"])
+def test_packed_equals_plain_on_smollm2(model_dir, attn):
     from transformers import AutoModelForCausalLM
 
-    model = _peft(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), r=16)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn)
+    model = _peft(base, r=16)
     seqs, cfg = _sequences(49152, seed=3), _cfg(0.04, "seq_mean_token_mean")
     _assert_same(_run(model, seqs, cfg, False, 12), _run(model, seqs, cfg, True, 12), rel=1e-4)
