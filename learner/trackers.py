@@ -59,33 +59,37 @@ class Tracker:
         raise NotImplementedError
 
 
-class WandbTracker(Tracker):
+class _RowTracker(Tracker):
+    """W&B and Trackio: a step is one row of metrics, the samples a Table of the library (`self.lib`)
+    in it, logged to `self.run`."""
+
+    def log(self, step, metrics, samples):
+        row: dict[str, Any] = dict(metrics)
+        if samples:
+            row["samples"] = self.lib.Table(columns=list(SAMPLE_COLUMNS), data=_table_data(samples))
+        self.run.log(row, step=step)
+
+
+class WandbTracker(_RowTracker):
     name = "wandb"
 
     def start(self, run_id, config):
         import wandb
 
         s = self.settings
-        self.wandb = wandb
+        self.lib = wandb
         self.run = wandb.init(
             project=s.project, entity=s.wandb_entity, name=s.run_name, tags=s.tags or None, config=config,
             id=run_id, resume="allow", dir=str(self.out), mode=s.wandb_mode,
         )  # fmt: skip
         return self.run.id
 
-    def log(self, step, metrics, samples):
-        row: dict[str, Any] = dict(metrics)
-        if samples:
-            data = _table_data(samples)
-            row["samples"] = self.wandb.Table(columns=list(SAMPLE_COLUMNS), data=data)
-        self.run.log(row, step=step)
-
     def finish(self, summary):
         self.run.summary.update(summary)
         self.run.finish()
 
 
-class TrackioTracker(Tracker):
+class TrackioTracker(_RowTracker):
     """Trackio resumes a run by its name: the id kept is the name."""
 
     name = "trackio"
@@ -96,18 +100,11 @@ class TrackioTracker(Tracker):
         import trackio
 
         s = self.settings
-        self.trackio = trackio
+        self.lib = trackio
         self.run = trackio.init(
             project=s.project, name=run_id or s.run_name, config=config, resume="allow", embed=False
         )
         return self.run.name
-
-    def log(self, step, metrics, samples):
-        row: dict[str, Any] = dict(metrics)
-        if samples:
-            data = _table_data(samples)
-            row["samples"] = self.trackio.Table(columns=list(SAMPLE_COLUMNS), data=data)
-        self.run.log(row, step=step)
 
     def finish(self, summary):
         """Trackio has no run summary: its numbers go into the last step's row as summary/<key>."""
