@@ -6,8 +6,9 @@ sampled trajectories every `learner.trackers.samples_every` steps, and the run's
 
 A tracker must never stop or slow training: each runs on its own thread behind a queue. A call that fails
 is logged once per tracker, retried in the background with backoff, and counted (`tracker/<name>/errors`
-and `tracker/<name>/dropped` in the next step's metrics); a tracker whose library is missing or cannot
-start is reported and left behind. Only rank 0 tracks.
+and `tracker/<name>/dropped` in the next step's metrics); a tracker that cannot start is tried again
+before each later call. A tracker whose library is not installed is a config error at start
+(shared/cli.check_trackers). Only rank 0 tracks.
 
 Resume: out_dir/trackers.json keeps each tracker's run id and the last step it took. A resumed learner
 continues the same tracker run, sends the steps of metrics.jsonl the tracker never got (a crash between
@@ -29,7 +30,6 @@ from typing import Any
 
 from shared.config import TandemConfig
 
-TRACKERS = ("wandb", "trackio", "mlflow")  # TensorBoard is a local file: learner/metrics.py writes it
 STATE_FILE = "trackers.json"
 EVALUATIONS_FILE = "evaluations.jsonl"
 SAMPLE_COLUMNS = (
@@ -277,15 +277,21 @@ class Bookkeeping:
         return self.get(name, "step", 0)
 
     def set(self, name: str, **fields) -> None:
+        """Kept in memory first: a file that cannot be written (a full disk) costs a resume's exactness,
+        never a duplicate now (a raise here would retry a call the tracker already took)."""
         with self.lock:
             self.state.setdefault(name, {}).update(fields)
             tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.state, indent=2) + "\n")
-            os.replace(tmp, self.path)
+            try:
+                tmp.write_text(json.dumps(self.state, indent=2) + "\n")
+                os.replace(tmp, self.path)
+            except OSError:
+                pass
 
 
 class Trackers:
-    """The trackers of learner.report_to (TensorBoard excepted), fed from the training loop."""
+    """The trackers of learner.report_to (TensorBoard excepted: learner/metrics.py writes its local
+    files), fed from the training loop."""
 
     def __init__(self, cfg: TandemConfig, out: Path, log, kinds: dict[str, type[Tracker]] | None = None):
         kinds = KINDS if kinds is None else kinds
