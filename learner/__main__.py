@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from shared.cli import parse_cli
+from shared.cli import check_trackers, parse_cli
 
 DESCRIPTION = (
     "tandem learner: pulls scored groups from the rollout server, takes GRPO steps on a LoRA adapter "
@@ -27,16 +27,15 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args, cfg = parse_cli("python -m learner", DESCRIPTION, argv, _args)
+    args, cfg = parse_cli("python -m learner", DESCRIPTION, argv, _args, check=check_trackers)
     from learner.checkpoint import CheckpointError, check_out_dir
     from learner.client import ServerError
-    from shared.cli import check_trackers
     from shared.config import ConfigError, check_batch_size
     from shared.models import ModelError, resolve_model
 
     try:
         check_batch_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        check_trackers(cfg.learner.report_to)
+        check_trackers(cfg)
         if int(os.environ.get("RANK", "0")) == 0:
             check_out_dir(Path(cfg.learner.out_dir), args.resume, cfg.learner.min_free_mb)
         model_path = resolve_model(cfg.model.name)

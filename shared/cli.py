@@ -45,7 +45,9 @@ def parse_cli(
     description: str,
     argv: list[str] | None,
     add_arguments: Callable[[argparse.ArgumentParser], None],
+    check: Callable[[TandemConfig], None] | None = None,
 ) -> tuple[argparse.Namespace, TandemConfig]:
+    """`check`: what --check-config checks for this process besides check_task (it raises ConfigError)."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -73,6 +75,8 @@ def parse_cli(
     if args.check_config:
         try:
             check_task(cfg)
+            if check is not None:
+                check(cfg)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
@@ -81,8 +85,10 @@ def parse_cli(
     return args, cfg
 
 
-def check_trackers(report_to: list[str]) -> None:
-    """The experiment trackers of learner.report_to are installed (each is an extra): ConfigError if not."""
+def check_trackers(cfg: TandemConfig) -> None:
+    """The learner's: the experiment trackers of learner.report_to are installed (each is an extra), a
+    ConfigError if not. Not the server's to check: its image need not have them."""
+    report_to = cfg.learner.report_to
     import importlib.util
 
     missing = [n for n in report_to if n != "tensorboard" and importlib.util.find_spec(n) is None]
@@ -101,7 +107,6 @@ def check_task(cfg: TandemConfig) -> None:
     from shared.rewards import load_env, resolve
 
     resolve(cfg.reward)
-    check_trackers(cfg.learner.report_to)
     if cfg.env.turns:
         load_env(cfg.env)
     if cfg.env.kind == "verifiers":  # the library, its version, the environment and its tasks

@@ -247,15 +247,28 @@ def test_the_real_trackers_made_to_fail_leave_metrics_whole(tmp_path, monkeypatc
         assert len(failed) == 1, messages
 
 
-def test_a_tracker_that_is_not_installed_is_a_config_error(monkeypatch):
+def test_a_tracker_that_is_not_installed_is_a_config_error(monkeypatch, capsys):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "mlflow" else real(n, *a))
-    check_trackers(["tensorboard"])
+    check_trackers(load_config(None, ["learner.report_to=tensorboard"]))
     with pytest.raises(ConfigError) as e:
-        check_trackers(["tensorboard", "mlflow"])
+        check_trackers(load_config(None, ["learner.report_to=tensorboard,mlflow"]))
     assert str(e.value) == "learner.report_to names mlflow, not installed: pip install 'tandem[mlflow]'"
+    # the learner's --check-config says it in one line; the server's does not ask (its image may lack it)
+    from learner.__main__ import main as learner_main
+    from rollout_server.__main__ import main as server_main
+
+    with pytest.raises(SystemExit) as ended:
+        learner_main(["--check-config", "--learner.report_to=mlflow"])
+    assert ended.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: learner.report_to names mlflow, not installed: pip install 'tandem[mlflow]'\n"
+    )
+    with pytest.raises(SystemExit) as ended:
+        server_main(["--check-config", "--learner.report_to=mlflow"])
+    assert ended.value.code == 0
     with pytest.raises(ConfigError, match="learner.report_to names a tracker twice"):
         load_config(None, ["learner.report_to=wandb,wandb"])
     with pytest.raises(ConfigError, match="learner.report_to.0: Input should be 'tensorboard'"):
