@@ -314,9 +314,16 @@ class Trackers:
         self._evals_seen = max((self.book.get(w.tracker.name, "evals", 0) for w in self.workers), default=0)
         path = self.out / "metrics.jsonl"
         if step and path.is_file():
-            for line in path.read_text().splitlines():
-                record = json.loads(line) if line.strip() else {}
-                if 0 < record.get("step", 0) <= step:
+            for line in path.read_text(errors="replace").splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:  # truncate_records drops a line cut short; a tracker must not fail a start
+                    continue
+                if (
+                    isinstance(record, dict)
+                    and isinstance(record.get("step"), int)
+                    and 0 < record["step"] <= step
+                ):
                     self._log(record["step"], _scalars(record), None)
 
     def step(self, step: int, metrics: dict, groups=None, decode=None) -> None:
@@ -361,10 +368,10 @@ class Trackers:
 
     def _new_evaluations(self) -> dict[str, float]:
         """The lines of evaluations.jsonl not yet sent, flattened as eval/<key> (the newest line wins)."""
-        path = self.out / EVALUATIONS_FILE
-        if not path.is_file():
+        try:  # read in the training loop: nothing here may stop a step
+            lines = [line for line in (self.out / EVALUATIONS_FILE).read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError):
             return {}
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
         out: dict[str, float] = {}
         for line in lines[self._evals_seen :]:
             try:

@@ -306,3 +306,14 @@ def test_learner_evaluate_run_dir_appends_what_the_trackers_send(tmp_path, monke
         "eval/version": 2.0,
         "eval/pass@1_greedy": 0.4,
     }
+
+
+def test_an_unreadable_evaluations_file_costs_the_evaluations_not_the_step(tmp_path):
+    (tmp_path / "evaluations.jsonl").write_bytes(b'{"version": 1, "pass@1": \xff}\n')  # not UTF-8
+    cfg = _cfg()
+    sink, trackers = _sink(tmp_path, cfg)
+    trackers.start(cfg.model_dump(), 0)
+    sink.write(1, _metrics(1))
+    sink.close({})
+    assert [c[1] for c in _logs()] == [1]
+    assert not any(k.startswith("eval/") for k in _logs()[0][2])
