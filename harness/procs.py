@@ -114,3 +114,27 @@ def pull_until_version(client, version: int, max_groups: int = 2, wait_s: float 
             client.ack(pulled.lease_id)
         if any(g.policy_version >= version for g in pulled.groups):
             return
+
+
+def vllm_openai_args(
+    model: str, port: int, *, max_lora_rank: int, max_model_len: int, dtype: str
+) -> list[str]:
+    """A stock vLLM OpenAI-compatible server as `server.backend = "openai"` needs one (rollout_server/
+    openai_backend.py): LoRA loaded at run time, the token route, sampling logprobs after temperature. Run
+    it with vllm_openai_env()."""
+    return [
+        "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+        "--host", "127.0.0.1", "--dtype", dtype, "--max-model-len", str(max_model_len),
+        "--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "2", "--max-cpu-loras", "4",
+        "--enable-scale-out", "--logprobs-mode", "processed_logprobs", "--seed", "0",
+        "--block-size", "32", "--enforce-eager", "--disable-log-stats",
+    ]  # fmt: skip
+
+
+def vllm_openai_env(cores: str | None = None, **extra: str) -> dict[str, str]:
+    """Its environment: runtime LoRA updates allowed; `cores` ('0', '0,1'): the CPU cores it computes on
+    (vLLM's default keeps one of them for its scheduler)."""
+    env = tandem_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", **extra)
+    if cores is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    return env

@@ -98,6 +98,8 @@ class Server:
             )  # fmt: skip
         self.metrics = ServerMetrics(self.queue, self.policy)
         self.events = EventLog(state_dir / "events.jsonl")
+        if hasattr(backend, "on_event"):  # an external engine's endpoints going down, up, loading versions
+            backend.on_event = self.events.write
         self.rewards = RewardRunner(
             cfg.reward,
             on_failure=lambda name, kind: self.metrics.reward_failures.labels(name, kind).inc(),
@@ -280,6 +282,7 @@ async def health(s: Server = Depends(server_of)):
         group_size=s.cfg.sampling.group_size,
         queue_depth=s.queue.depth,
         leased=s.queue.leased,
+        engines=s.backend.describe() if hasattr(s.backend, "describe") else None,
     )
 
 

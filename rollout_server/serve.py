@@ -25,6 +25,10 @@ async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
         from rollout_server.vllm_backend import VllmBackend
 
         return await VllmBackend.create(cfg, model_path)
+    if cfg.server.backend == "openai":
+        from rollout_server.openai_backend import OpenAIBackend
+
+        return await OpenAIBackend.create(cfg, model_path)
     from rollout_server.hf_backend import HFBackend
 
     return await HFBackend.create(cfg, model_path)
@@ -46,6 +50,12 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
         check_vllm_settings(cfg)
     resolve(cfg.reward)
     model_path = resolve_model(cfg.model.name)
+    if cfg.server.backend == "openai":  # what training needs from each endpoint (ConfigError: one line)
+        import asyncio
+
+        from rollout_server.openai_backend import OpenAIBackend
+
+        asyncio.run(OpenAIBackend.check(cfg, model_path))
     if cfg.env.kind == "verifiers":  # the environment's tasks are the problems (ConfigError: one line)
         from shared import verifiers_tasks
 

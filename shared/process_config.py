@@ -40,6 +40,18 @@ class VllmConfig(Section):
         "them; vLLM's own default keeps one for its scheduler, half of a 2-core machine (1.7x slower here). "
         "In split placement on one machine, leave the learner its share",
     )
+    tensor_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="devices one engine shards every layer over (vLLM's tensor parallelism): GPUs, or on CPU "
+        "groups of cores (cpu_threads split evenly); merge mode writes each rank's shard of a version",
+    )
+    data_parallel_size: int = Field(
+        default=1,
+        ge=1,
+        description="engine replicas inside this server (vLLM's data parallelism), tensor_parallel_size "
+        "devices each; vLLM spreads the server's batches over them. GPUs only",
+    )
     eval_switch_every_s: float = Field(
         default=30.0,
         ge=0,
@@ -48,11 +60,46 @@ class VllmConfig(Section):
     )
 
 
+class OpenAIEngineConfig(Section):
+    endpoints: list[str] = Field(
+        default=[],
+        description="base URLs of the vLLM OpenAI-compatible servers to sample from (server.backend = "
+        "'openai'), e.g. ['http://10.0.0.5:8000']; each started with --enable-lora --enable-scale-out "
+        "--logprobs-mode processed_logprobs and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (checked at start)",
+    )
+    adapter_dir: str | None = Field(
+        default=None,
+        description="the folder where the endpoints read this server's adapter store (state_dir/adapters), "
+        "e.g. a shared volume mounted elsewhere on their machines; unset: the store's own absolute path",
+    )
+    api_key_env: str = Field(
+        default="TANDEM_ENGINE_API_KEY",
+        description="environment variable holding the endpoints' API key (vLLM's --api-key); unset or "
+        "empty: none sent",
+    )
+    probe_s: float = Field(
+        default=2.0, gt=0, description="how often each endpoint's health is probed (a lost one rejoins then)"
+    )
+    start_wait_s: float = Field(
+        default=600.0, ge=0, description="at start, how long to wait for a first endpoint to answer"
+    )
+
+    @field_validator("endpoints")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"'{url}' is not an http(s) URL")
+        if len({u.rstrip("/") for u in urls}) != len(urls):
+            raise ValueError("an endpoint is listed twice")
+        return [u.rstrip("/") for u in urls]
+
+
 class ServerConfig(Section):
-    backend: Literal["vllm", "hf"] = Field(
+    backend: Literal["vllm", "hf", "openai"] = Field(
         default="vllm",
-        description="'vllm' (the default; merged versions or vLLM's LoRA, server.vllm) or 'hf' (transformers"
-        " + peft: no vLLM needed, slower)",
+        description="'vllm' (the default; merged versions or vLLM's LoRA, server.vllm), 'hf' (transformers"
+        " + peft: no vLLM needed, slower) or 'openai' (vLLM servers you already run, server.openai)",
     )
     host: str = Field(default="127.0.0.1", description="bind address; loopback unless told otherwise")
     port: int = Field(default=8000, ge=1, le=65535, description="the port the server listens on")
@@ -138,6 +185,21 @@ class ServerConfig(Section):
         default=1, ge=1, description="rollout servers splitting the prompts (each a different shard_index)"
     )
     vllm: VllmConfig = VllmConfig()
+    openai: OpenAIEngineConfig = OpenAIEngineConfig()
+
+    @model_validator(mode="after")
+    def _external_engine(self) -> ServerConfig:
+        if self.backend == "openai":
+            if not self.openai.endpoints:
+                raise ValueError(
+                    "server.backend = 'openai' needs server.openai.endpoints (the engines' URLs)"
+                )
+            if self.adapter_mode == "merge":
+                raise ValueError(
+                    "server.adapter_mode = 'merge' needs the engine in this process; an external engine "
+                    "(server.backend = 'openai') serves versions through its LoRA layers: use 'lora'"
+                )
+        return self
 
 
 class LoraConfig(Section):

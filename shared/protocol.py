@@ -166,6 +166,9 @@ class Health(_Model):
     group_size: int = Field(ge=2)
     queue_depth: int = Field(ge=0)
     leased: int = Field(ge=0)
+    # server.backend = "openai": each endpoint's URL, whether it is up, the versions loaded there, and why
+    # it is down
+    engines: list[dict[str, Any]] | None = None
 
 
 class AdapterPathRequest(_Model):
