@@ -94,6 +94,18 @@ class TandemWorker(MergeWorker):
         return leave_stop_signals_to_the_engine()
 
 
+def cpu_binding(cpus: list[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel CPU workers: `cpus` split into that many
+    consecutive groups, one per rank ('0,1|2,3'); one rank takes them all ('0,1,2,3')."""
+    if ranks > len(cpus):
+        raise ConfigError(
+            f"server.vllm.tensor_parallel_size={ranks} needs a core per rank; this process may use "
+            f"{len(cpus)} (server.vllm.cpu_threads, or the CPUs it is allowed)"
+        )
+    per = len(cpus) // ranks
+    return "|".join(",".join(map(str, cpus[i * per : (i + 1) * per])) for i in range(ranks))
+
+
 class VllmVersionError(RuntimeError):
     pass
 
@@ -106,6 +118,16 @@ def check_vllm_settings(cfg: TandemConfig, cuda: bool | None = None) -> None:
         import torch
 
         cuda = torch.cuda.is_available()
+    if not cuda and cfg.server.vllm.data_parallel_size > 1:
+        raise ConfigError(
+            "server.vllm.data_parallel_size > 1: tandem runs vLLM's data parallelism on GPUs only; on CPU "
+            "use tensor_parallel_size, or several servers (server.num_shards)"
+        )
+    if not cuda and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # (an explicit binding is the user's)
+        cpu_binding(
+            sorted(os.sched_getaffinity(0))[: cfg.server.vllm.cpu_threads],
+            cfg.server.vllm.tensor_parallel_size,
+        )
     size = cfg.server.vllm.block_size
     if size is not None and not cuda and size % 32:
         raise ConfigError(
@@ -185,8 +207,9 @@ class VllmBackend:
 
         cuda = current_platform.is_cuda()
         if not cuda and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # an explicit setting wins
-            cpus = sorted(os.sched_getaffinity(0))[: vc.cpu_threads]
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(
+                sorted(os.sched_getaffinity(0))[: vc.cpu_threads], vc.tensor_parallel_size
+            )
         if not cuda:  # read by the engine's processes, which start below
             os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
         merge = cfg.server.adapter_mode == "merge"
@@ -197,6 +220,8 @@ class VllmBackend:
             max_model_len=cfg.model.max_model_len,
             enforce_eager=vc.enforce_eager,
             max_num_seqs=vc.max_num_seqs,
+            tensor_parallel_size=vc.tensor_parallel_size,
+            data_parallel_size=vc.data_parallel_size,
             **({"block_size": vc.block_size} if vc.block_size else {}),
             # merge: no LoRA layers at all (they cost time even without an adapter); the worker extension
             # writes merged weights in place (rollout_server/vllm_merge.py), and in every mode bounds the
