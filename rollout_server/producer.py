@@ -361,7 +361,7 @@ class _Trajectory:
 
     @classmethod
     def of_episode(cls, e: episodes.Episode, text: str) -> _Trajectory:
-        mask = e.mask if 0 in e.mask else None
+        mask = _environment_mask(e.mask)
         episode = {"messages": e.messages, "turns": e.turns}
         return cls(
             e.ids,
@@ -377,8 +377,13 @@ class _Trajectory:
     @classmethod
     def of_played(cls, e, text: str) -> _Trajectory:
         """A `verifiers` episode's trainable branch (rollout_server/verifiers_runner.Played)."""
-        mask = e.mask if 0 in e.mask else None
+        mask = _environment_mask(e.mask)
         return cls(e.token_ids, e.logprobs, mask, text, e.last_reply, e.finish_reason, e.failed is not None)
+
+
+def _environment_mask(mask: list[int]) -> list[int] | None:
+    """An episode's loss mask as the protocol carries it: None when every token is the model's."""
+    return mask if 0 in mask else None
 
 
 def _usable(trajectories: list[_Trajectory]) -> bool:

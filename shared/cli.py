@@ -4,6 +4,7 @@ one-line `error: ...` with exit code 2 for any config problem. Imports nothing h
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
@@ -89,8 +90,6 @@ def check_trackers(cfg: TandemConfig) -> None:
     """The learner's: the experiment trackers of learner.report_to are installed (each is an extra), a
     ConfigError if not. Not the server's to check: its image need not have them."""
     report_to = cfg.learner.report_to
-    import importlib.util
-
     missing = [n for n in report_to if n != "tensorboard" and importlib.util.find_spec(n) is None]
     if missing:
         raise ConfigError(
