@@ -403,7 +403,7 @@ class OpenAIBackend:
                 out = await self._post(
                     ep, GENERATE, ep.url, model=adapter.name if adapter else ep.base, **body
                 )
-            except EndpointLost as e:
+            except (EndpointLost, ConfigError) as e:  # (ConfigError: it lost its token route, restarted)
                 self._lost(ep, str(e))
                 continue
             finally:

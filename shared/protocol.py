@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = "4"  # 4: a pull carries the puller's request id (PullRequest.request_id)
+PROTOCOL_VERSION = "5"  # 5: /health lists an external engine's endpoints (Health.engines)
 
 MAX_VERSION = 2**31 - 1  # versions are engine adapter ids (int32 in vLLM) and file names
 Version = Annotated[
