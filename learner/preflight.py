@@ -37,6 +37,14 @@ R1_DISTILL_1_5B = dict(
 )  # fmt: skip
 
 
+# Qwen2.5-7B-Instruct, from its config.json (deploy/configs/gpu-8x-node.toml).
+QWEN2_5_7B = dict(
+    hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+    intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
+)  # fmt: skip
+KNOWN = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B": R1_DISTILL_1_5B, "Qwen/Qwen2.5-7B-Instruct": QWEN2_5_7B}
+
+
 @dataclass(frozen=True)
 class Dims:
     hidden: int
@@ -92,13 +100,18 @@ def estimate(cfg: TandemConfig, d: Dims, prompt_tokens: int = 256) -> dict[str, 
     b = cfg.learner.micro_batch_size
     P, L = d.params(), d.lora_params(cfg.lora.r, cfg.lora.target_modules)
     weights = 2 * P
-    kv_per_token = 2 * d.layers * d.kv_heads * d.head_dim * 2  # K and V, bf16
-    sequences = cfg.server.prompts_per_batch * cfg.sampling.group_size
+    # Per GPU of the server's engine: tensor parallelism shards the weights, the LoRA slots and the KV heads
+    # (a KV head is replicated when there are fewer than ranks); data parallelism splits the sequences.
+    tp, dp = cfg.server.vllm.tensor_parallel_size, cfg.server.vllm.data_parallel_size
+    kv_per_token = 2 * d.layers * max(1, d.kv_heads // tp) * d.head_dim * 2  # K and V, bf16
+    sequences = math.ceil(cfg.server.prompts_per_batch * cfg.sampling.group_size / dp)
     kv_tokens = max(sequences * s, cfg.model.max_model_len)  # vLLM wants room for one full sequence
+    shard = f" / {tp} ranks" if tp > 1 else ""
     server = {
-        "base weights (bf16)": weights,
-        f"KV cache ({sequences} seqs x {s} tokens)": kv_per_token * kv_tokens,
-        f"LoRA slots (max_loras={cfg.server.max_loras})": 2 * L * cfg.server.max_loras,
+        f"base weights (bf16{shard})": weights / tp,
+        f"KV cache ({sequences} seqs x {s} tokens{' per replica' if dp > 1 else ''})": kv_per_token
+        * kv_tokens,
+        f"LoRA slots (max_loras={cfg.server.max_loras}{shard})": 2 * L * cfg.server.max_loras / tp,
         "CUDA context + vLLM buffers": CUDA_CONTEXT + VLLM_OVERHEAD,
     }
     G = cfg.sampling.group_size
@@ -162,9 +175,11 @@ def checks(cfg: TandemConfig, d: Dims, gpu_gib: float) -> list[Check]:
     lora_state = next(v for k, v in e["learner"].items() if k.startswith("LoRA + Adam"))
     offload = cfg.learner.offload_weights_while_generating
     learner_rollout = CUDA_CONTEXT + lora_state + (0 if offload else weights)
+    gpus = cfg.server.vllm.tensor_parallel_size * cfg.server.vllm.data_parallel_size
     out = [
         Check(
-            f"vLLM's share: {util:g} x {gpu_gib:g} GiB",
+            f"vLLM's share: {util:g} x {gpu_gib:g} GiB"
+            + (f" on each of its {gpus} GPUs" if gpus > 1 else ""),
             server_need,
             budget >= server_need,
             f"raise server.vllm.gpu_memory_utilization to >= {_ceil2(server_need / total)} (vLLM needs "
@@ -251,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, overrides)
     if args.dims:
         dims = Dims.from_config(json.loads(Path(args.dims).read_text()))
-    elif cfg.model.name == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B":
-        dims = Dims.from_config(R1_DISTILL_1_5B)
+    elif cfg.model.name in KNOWN:
+        dims = Dims.from_config(KNOWN[cfg.model.name])
     else:
         from transformers import AutoConfig
 

@@ -18,6 +18,7 @@ FILES = {
     "split": ["docker-compose.yml", "deploy/compose.split.yml"],
     "cpu": ["deploy/compose.cpu.yml"],
     "2servers": ["docker-compose.yml", "deploy/compose.split.yml", "deploy/compose.2servers.yml"],
+    "node8": ["docker-compose.yml", "deploy/compose.node8.yml"],
 }
 COMPOSE = Path(sys.executable).parent / "docker-compose"
 
@@ -69,6 +70,19 @@ def test_gpu_placement():
     # Split: GPU 1 replaces GPU 0 for the learner (Compose appends device lists unless told !override).
     assert (_gpus(two["rollout-server"]), _gpus(two["learner"])) == (["0"], ["1"])
     assert "deploy" not in load("cpu")["services"]["learner"]
+    # One 8-GPU node: vLLM's 2 x 2 ranks on GPUs 0-3, the learner's 4 ranks on GPUs 4-7
+    node = load("node8")["services"]
+    assert (_gpus(node["rollout-server"]), _gpus(node["learner"])) == (
+        ["0", "1", "2", "3"],
+        ["4", "5", "6", "7"],
+    )
+    assert node["learner"]["command"][:5] == [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+    ]
 
 
 def _gpus(service) -> list[str]:
@@ -104,6 +118,8 @@ def _local(command: list[str]) -> list[str]:
         )
         out.append(arg)
     assert out[:2] == ["python", "-m"]
+    if out[2] == "torch.distributed.run":  # checked as one process: the ranks share the config
+        out = ["python", *out[out.index("-m", 2) :]]
     return [sys.executable, *out[1:]]
 
 
@@ -124,7 +140,9 @@ def test_the_commands_compose_runs_start_from_valid_configs(variant):
     )
     assert (
         learner["learner"]["placement"]
-        == {"gpu": "timeslice", "split": "split", "cpu": "timeslice", "2servers": "split"}[variant]
+        == {"gpu": "timeslice", "split": "split", "cpu": "timeslice", "2servers": "split", "node8": "split"}[
+            variant
+        ]
     )
 
 

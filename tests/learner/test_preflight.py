@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from learner.preflight import GIB, R1_DISTILL_1_5B, Dims, checks, estimate, report
+from learner.preflight import GIB, KNOWN, QWEN2_5_7B, R1_DISTILL_1_5B, Dims, checks, estimate, report
 from shared.config import load_config
 from tests.helpers import REPO
 
@@ -25,16 +25,31 @@ def test_parameter_counts_from_dimensions():
     assert d.lora_params(16, ["q_proj", "k_proj", "v_proj", "o_proj"]) == 4_358_144
 
 
+GPU_GIB = {"gpu-8x-node.toml": 80.0}  # the GPUs each shipped config is for (others: 8 GiB)
+
+
 @pytest.mark.parametrize("config", sorted(p.name for p in (REPO / "deploy/configs").glob("gpu-*.toml")))
-def test_every_shipped_gpu_config_passes_preflight_on_8_gib_gpus(config):
+def test_every_shipped_gpu_config_passes_preflight_on_its_gpus(config):
     cfg = load_config(REPO / "deploy/configs" / config)
-    text, ok = report(cfg, Dims.from_config(R1_DISTILL_1_5B), 8.0)
+    dims, gib = Dims.from_config(KNOWN[cfg.model.name]), GPU_GIB.get(config, 8.0)
+    text, ok = report(cfg, dims, gib)
     assert ok, text
-    assert (
-        [c.ok for c in checks(cfg, Dims.from_config(R1_DISTILL_1_5B), 8.0)] == [True] * 3
-        if (cfg.learner.placement == "timeslice")
-        else [True] * 2
+    assert [c.ok for c in checks(cfg, dims, gib)] == [True] * (
+        3 if cfg.learner.placement == "timeslice" else 2
     )
+    assert f"--gpu-gib {gib:g}" in (REPO / "deploy/configs" / config).read_text() or gib == 8.0
+
+
+def test_tensor_and_data_parallelism_divide_what_each_server_gpu_holds():
+    d = Dims.from_config(QWEN2_5_7B)
+    node_toml = REPO / "deploy/configs/gpu-8x-node.toml"
+    one = load_config(node_toml, ["server.vllm.tensor_parallel_size=1", "server.vllm.data_parallel_size=1"])
+    node = load_config(node_toml)  # 2 x 2
+    a, b = estimate(one, d)["server"], estimate(node, d)["server"]
+    assert b["base weights (bf16 / 2 ranks)"] == a["base weights (bf16)"] / 2 == d.params()
+    kv = lambda e: next(v for k, v in e.items() if k.startswith("KV cache"))  # noqa: E731
+    # 4 KV heads over 2 ranks: half the heads per GPU; 2 replicas: half the sequences each
+    assert kv(b) == pytest.approx(kv(a) / 4, rel=0.01)
 
 
 @pytest.mark.parametrize(
