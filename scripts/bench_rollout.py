@@ -1,13 +1,16 @@
 """Rollout throughput of the backends on the same workload, with and without a policy version loaded.
 
     .venv/bin/python scripts/bench_rollout.py [--prompts 16] [--group-size 8] [--max-tokens 128]
-        [--cases vllm-base,vllm-merge,vllm-lora,hf-merge,hf-base]
+        [--cases vllm-base,vllm-merge,vllm-lora,openai-base,openai-lora,hf-merge,hf-base]
 
 Same prompts (GSM8K test, chat-templated), same G, same max new tokens, temperature 1, top_p 1. Cases:
 `vllm-base`/`hf-base` the base model (vLLM without LoRA layers); `vllm-merge` vLLM with a LoRA r16
 (q/k/v/o) version published and merged into its weights (server.adapter_mode = "merge"); `vllm-lora`
 the same version through vLLM's LoRA kernels; `hf-merge` transformers with that version merged into a copy
-(server.adapter_mode = "merge").
+(server.adapter_mode = "merge"); `openai-base`/`openai-lora` a stock vLLM OpenAI server started by this
+script as its own process on the same cores (harness.procs.vllm_openai_args), reached over HTTP
+(server.backend = "openai"), the version loaded by vLLM's runtime LoRA loading: what the hop to an external
+engine costs against `vllm-base`/`vllm-lora` in process.
 Each case gets one warm-up batch first (vLLM compiles/allocates on first use; the merge happens there),
 then the timed batch; all run in this process one after the other, so they share the machine's state.
 """
@@ -32,6 +35,8 @@ CASES = {  # name: (backend, config overrides, with a version published)
     "vllm-base": ("vllm", ["server.adapter_mode=merge"], False),  # no LoRA layers: the bare engine
     "vllm-merge": ("vllm", ["server.adapter_mode=merge"], True),
     "vllm-lora": ("vllm", ["server.adapter_mode=lora"], True),
+    "openai-base": ("openai", ["server.adapter_mode=lora"], False),
+    "openai-lora": ("openai", ["server.adapter_mode=lora"], True),
     "hf-merge": ("hf", ["server.adapter_mode=merge"], True),
     "hf-base": ("hf", [], False),
 }
@@ -42,7 +47,13 @@ async def measure(case: str, args, adapter_dir: Path) -> float:
     from rollout_server.serve import make_backend
 
     backend_name, overrides, published = CASES[case]
-    cfg = load_config(args.config, [f"server.backend={backend_name}", "model.max_model_len=1024", *overrides])
+    local = "vllm" if backend_name == "openai" else backend_name  # (openai: its endpoint is known below)
+    cfg = load_config(args.config, [f"server.backend={local}", "model.max_model_len=1024", *overrides])
+    engine = None
+    if backend_name == "openai":
+        engine, url = external_engine(cfg, adapter_dir.parent)
+        cfg = load_config(args.config, [*overrides, "model.max_model_len=1024", "server.backend=openai",
+                                        f'server.openai.endpoints=["{url}"]'])  # fmt: skip
     backend = await make_backend(cfg, resolve_model(cfg.model.name))
     adapter = None
     if published:
@@ -64,9 +75,27 @@ async def measure(case: str, args, adapter_dir: Path) -> float:
     rate = tokens / elapsed
     print(f"[{case}] {tokens} tokens in {elapsed:.1f} s = {rate:.1f} tok/s", flush=True)
     await backend.close()
+    if engine is not None:
+        engine.stop()
     del backend
     gc.collect()
     return rate
+
+
+def external_engine(cfg, work: Path):
+    """A stock vLLM OpenAI server on the cores the in-process engine uses, its KV cache the same size."""
+    from harness.net import free_port
+    from harness.procs import Proc, vllm_openai_args, vllm_openai_env, wait_healthy
+
+    port = free_port()
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))[: cfg.server.vllm.cpu_threads]))
+    args = vllm_openai_args(
+        resolve_model(cfg.model.name), port, max_lora_rank=16, max_model_len=1024, dtype=cfg.model.dtype
+    )
+    print(f"[openai] starting a vLLM OpenAI server on cores {cores} (log: {work}/engine.log) ...", flush=True)
+    proc = Proc(args, work / "engine.log", vllm_openai_env(cores))
+    wait_healthy(proc, f"http://127.0.0.1:{port}", 600)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def main() -> int:
@@ -95,7 +124,8 @@ def main() -> int:
     for c, r in rates.items():
         print(f"{c:<10} {r:7.1f}")
     for a, b in [("vllm-merge", "hf-merge"), ("vllm-merge", "vllm-base"), ("vllm-merge", "vllm-lora"),
-                 ("vllm-base", "hf-base")]:  # fmt: skip
+                 ("vllm-base", "hf-base"), ("openai-base", "vllm-base"), ("openai-lora", "vllm-lora"),
+                 ("openai-lora", "vllm-merge")]:  # fmt: skip
         if {a, b} <= rates.keys():
             print(f"{a} / {b}: {rates[a] / rates[b]:.2f}x")
     return 0
