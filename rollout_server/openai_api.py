@@ -234,7 +234,8 @@ async def chat_completions(req: ChatRequest, s=Depends(server_of)):
     adapter, model = resolve(s, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs = true", "top_logprobs")
-    prompt = chat_prompt_ids(s.backend.tokenizer, [m.as_dict() for m in req.messages])
+    # (a final assistant message gets a new turn after it, as vLLM's default add_generation_prompt does)
+    prompt = chat_prompt_ids(s.backend.tokenizer, [m.as_dict() for m in req.messages], continue_final=False)
     room = s.cfg.model.max_model_len - len(prompt)
     max_tokens = req.max_completion_tokens or req.max_tokens or room
     check_length(s, prompt, max_tokens, "messages")

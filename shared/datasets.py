@@ -189,12 +189,19 @@ def chat_messages(question: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": MATH_TEMPLATE.format(prompt=question)}]
 
 
-def chat_prompt_ids(tokenizer, messages: str | list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(
+    tokenizer, messages: str | list[dict[str, str]], continue_final: bool = True
+) -> list[int]:
     """Token ids of the chat-templated conversation (a bare question gets the math instruction), ending
-    with the assistant turn's header."""
+    with the assistant turn's header; or, when the conversation ends with an assistant message and
+    `continue_final`, inside that message (a prefill the model continues: data.reasoning_gym.answer_prefill).
+    """
     if isinstance(messages, str):
         messages = chat_messages(messages)
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if continue_final and messages and messages[-1]["role"] == "assistant":
+        ids = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True)
+    else:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -327,6 +334,7 @@ def load_custom(cfg: DataConfig, split: str) -> list[Problem]:
 
 # -- reasoning-gym -----------------------------------------------------------------------------------
 RG_PROMPT = "default"  # reasoning-gym's own system prompt of that name: think, then <answer>...</answer>
+RG_PREFILL = "<answer>"  # data.reasoning_gym.answer_prefill: how every answer starts
 
 
 def import_reasoning_gym():
@@ -388,13 +396,18 @@ def load_reasoning_gym(cfg: DataConfig, split: str) -> list[Problem]:
         if entry["question"] in seen_train:
             continue
         user = (cfg.prompt_template or "{prompt}").format_map({"prompt": entry["question"]})
+        messages = ({"role": "system", "content": system}, {"role": "user", "content": user})
+        metadata = {"rg_task": name, "rg_config": dict(configs.get(name, {})), "rg_entry": entry}
+        if opts.answer_prefill:  # the answer's opening tag is the prompt's; the reward puts it back
+            messages += ({"role": "assistant", "content": RG_PREFILL},)
+            metadata["rg_prefill"] = RG_PREFILL
         problems.append(
             Problem(
                 id=f"rg-{split}-{index}",
                 question=entry["question"],
                 answer=str(entry["answer"]),
-                messages=({"role": "system", "content": system}, {"role": "user", "content": user}),
-                metadata={"rg_task": name, "rg_config": dict(configs.get(name, {})), "rg_entry": entry},
+                messages=messages,
+                metadata=metadata,
             )
         )
     return problems

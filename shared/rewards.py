@@ -87,13 +87,18 @@ def r1_format(completion: str, answer: str = "", prompt: str = "", metadata: dic
 
 def reasoning_gym(completion: str, answer: str = "", prompt: str = "", metadata: dict | None = None) -> float:
     """data.task = 'reasoning_gym': the task's own score_answer on the completion's last <answer>...</answer>
-    (reasoning-gym's extraction), with the problem's entry from its metadata."""
+    (reasoning-gym's extraction), with the problem's entry from its metadata. With an answer prefill the
+    completion is the answer's continuation: the opening tag is put back, and the end closes it if the
+    model did not."""
     metadata = metadata or {}
     if "rg_entry" not in metadata:
         raise ValueError("the reasoning_gym reward scores data.task = 'reasoning_gym' problems only")
     from reasoning_gym.utils import extract_answer as rg_extract
 
     score = _rg_scorer(metadata["rg_task"], json.dumps(metadata.get("rg_config", {}), sort_keys=True))
+    prefill = metadata.get("rg_prefill")
+    if prefill:  # the answer began in the prompt (data.reasoning_gym.answer_prefill); it ends at the end
+        completion = prefill + completion + ("" if "</answer>" in completion else "</answer>")
     return float(score(rg_extract(completion), metadata["rg_entry"]))
 
 

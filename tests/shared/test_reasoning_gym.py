@@ -45,6 +45,33 @@ def test_the_reward_is_the_tasks_score_answer_on_the_answer_tag():
         reasoning_gym("<answer>1</answer>", "1", "", {})
 
 
+def test_an_answer_prefill_opens_the_answer_in_the_prompt_and_the_reward_reads_its_continuation(model_dir):
+    from transformers import AutoTokenizer
+
+    from shared.datasets import chat_prompt_ids
+
+    plain = load_problems(_cfg(config=SMALL).data, "test")[0]
+    p = load_problems(_cfg(config=SMALL, answer_prefill=True).data, "test")[0]
+    assert p.question == plain.question and p.conversation()[:2] == plain.conversation()
+    assert p.conversation()[2] == {"role": "assistant", "content": "<answer>"}
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    # the prompt ends inside the assistant's turn, after the tag: the model continues the answer
+    ids = chat_prompt_ids(tok, p.conversation())
+    assert ids[: len(chat_prompt_ids(tok, plain.conversation()))] == chat_prompt_ids(
+        tok, plain.conversation()
+    )
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n<answer>")
+    # the OpenAI API keeps vLLM's default: a final assistant message gets a new turn after it
+    assert tok.decode(chat_prompt_ids(tok, p.conversation(), continue_final=False)).endswith(
+        "<answer><|im_end|>\n<|im_start|>assistant\n"
+    )
+    meta = dict(p.metadata)
+    assert reasoning_gym(f"{p.answer}</answer>", p.answer, "", meta) == 1.0
+    assert reasoning_gym(f" {p.answer}", p.answer, "", meta) == 1.0  # the end closes an open answer
+    assert reasoning_gym(f"{p.answer} apples</answer>", p.answer, "", meta) < 1.0  # (partial credit)
+    assert reasoning_gym(f"{p.answer}", p.answer, "", dict(plain.metadata)) == 0.0  # without: no tag
+
+
 def test_a_mix_draws_each_task_by_weight_and_scores_each_with_its_own():
     cfg = _cfg(task=None, mix={"leg_counting": 1, "basic_arithmetic": 3}, config={"basic_arithmetic": SMALL})
     train = load_problems(cfg.data, "train")
