@@ -92,11 +92,9 @@ def _message(response) -> str:
     return str(body)[:500]
 
 
-def check_processed_logprobs(
-    sampled: list[dict[int, float]], scored: list[dict[int, float]], t: float
-) -> float:
+def check_processed_logprobs(sampled: list[dict[int, float]], scored: list[dict[int, float]]) -> float:
     """The ratio (sampled_a - sampled_b) / (scored_a - scored_b) at the position and pair of tokens where
-    the scored gap is widest: 1/t when the sampled logprobs are after temperature, 1 when they are the
+    the scored gap is widest: 1/T when the sampled logprobs are after temperature T, 1 when they are the
     model's. `sampled`/`scored`: per generated position, {token id: logprob} of the top tokens."""
     best = None
     for s, r in zip(sampled, scored, strict=True):
@@ -123,7 +121,6 @@ class OpenAIBackend:
         self.endpoints = [Endpoint(u.rstrip("/")) for u in oc.endpoints]
         self._adapter_dir = oc.adapter_dir
         self._probe_s = oc.probe_s
-        self._timeout = cfg.server.generate_timeout_s
         self.adapters: dict[int, Adapter] = {}  # every version loaded and not yet unloaded
         self._changed = asyncio.Event()  # set when an endpoint comes up or loads a version
         self._watch: asyncio.Task | None = None
@@ -226,7 +223,7 @@ class OpenAIBackend:
         scored = await self._score_raw(ep, ids + completion, ep.base, top=5)
         tops = [{t["token_id"]: t["logprob"] for t in c.get("top_logprobs", [])} for c in content]
         try:
-            ratio = check_processed_logprobs(tops, scored[len(ids) :], PROBE_TEMPERATURE)
+            ratio = check_processed_logprobs(tops, scored[len(ids) :])
         except ValueError as e:
             raise ConfigError(f"{where}: cannot check its logprobs: {e}") from None
         if abs(ratio - 1 / PROBE_TEMPERATURE) > RATIO_TOLERANCE * (1 / PROBE_TEMPERATURE):
@@ -286,7 +283,11 @@ class OpenAIBackend:
         except EndpointLost as e:
             ep.error = str(e)
             raise
-        except (ConfigError, EngineRefused, AdapterLoadError) as e:
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            # ConfigError, EngineRefused, AdapterLoadError name what is wrong; the others are an answer
+            # that is not what a vLLM server sends (not JSON, fields missing)
+            if not isinstance(e, ConfigError | EngineRefused | AdapterLoadError):
+                e = ConfigError(f"server.openai.endpoints: {ep.url} answers unlike a vLLM server ({e!r})")
             ep.error = str(e)
             if fatal:
                 raise ConfigError(str(e)) from None

@@ -120,10 +120,10 @@ def _backend(tokenizer, engines: dict[str, FakeEngine]) -> OpenAIBackend:
 def test_the_logprob_check_tells_processed_from_raw():
     t = 0.5
     scored = [dict(RAW)] * 3
-    assert check_processed_logprobs([_processed(t)] * 3, scored, t) == pytest.approx(2.0)
-    assert check_processed_logprobs([dict(RAW)] * 3, scored, t) == pytest.approx(1.0)
+    assert check_processed_logprobs([_processed(t)] * 3, scored) == pytest.approx(2.0)
+    assert check_processed_logprobs([dict(RAW)] * 3, scored) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="far enough"):
-        check_processed_logprobs([{10: -0.1}], [{10: -0.1}], t)
+        check_processed_logprobs([{10: -0.1}], [{10: -0.1}])
 
 
 @pytest.mark.parametrize(
@@ -152,6 +152,16 @@ def test_an_endpoint_serving_another_model_is_refused(tokenizer, model_dir):
 
     backend = _backend(tokenizer, {"http://a:8000": Other(tokenizer)})
     with pytest.raises(ConfigError, match="tokenizes text unlike"):
+        asyncio.run(backend.start(0))
+
+
+def test_something_else_at_the_url_is_refused_in_one_line(tokenizer):
+    class Html(FakeEngine):
+        def handle(self, request):
+            return httpx.Response(200, text="<html>a web page</html>")
+
+    backend = _backend(tokenizer, {"http://a:8000": Html(tokenizer)})
+    with pytest.raises(ConfigError, match="answers unlike a vLLM server"):
         asyncio.run(backend.start(0))
 
 
