@@ -3,10 +3,14 @@ held-out success before and after a short run, the training reward per step, and
 
     .venv/bin/python scripts/bench_agent.py [--seeds 0,1,2] [--steps 16] [--eval-problems 100]
     .venv/bin/python scripts/bench_agent.py --task two_turn_sums     # a `verifiers` environment instead
+    .venv/bin/python scripts/bench_agent.py --task chain_sum         # reasoning-gym (or basic_arithmetic)
 
 --task two_turn_sums trains on examples/two_turn_sums.py, a taskset of the `verifiers` library played by
 its own harness (env.kind = "verifiers"), and evaluates on its 100 held-out tasks the same way: success is
-its `correct` reward (the second answer right).
+its `correct` reward (the second answer right). --task chain_sum / basic_arithmetic trains on that
+reasoning-gym task (data.task = "reasoning_gym", small operands, data.reasoning_gym.answer_prefill: SmolLM2
+never writes the <answer> tag itself) and evaluates on its held-out split, scored by the task's own
+score_answer (correct: a score of 1).
 
 Each seed is `scripts/demo.py` (vLLM server with merged versions, DeepSpeed learner, deploy/configs/cpu.toml,
 bf16 where the CPU computes in it) on the calculator task as tool-use episodes: the model may call
@@ -19,6 +23,7 @@ runs/bench-agent/, the plot where --plot says (docs/benchmarks.md §10).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -49,6 +54,28 @@ VERIFIERS = [
 ]
 
 
+# reasoning-gym tasks whose groups carry a signal for SmolLM2-135M with the prefill (docs/benchmarks.md §13):
+# config, train size (basic_arithmetic's one-digit pairs are ~400 problems: a small train split leaves a
+# held-out one)
+REASONING_GYM = {
+    "chain_sum": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, 2000),
+    "basic_arithmetic": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 200),
+}
+
+
+def reasoning_gym_task(name: str) -> list[str]:
+    config, size = REASONING_GYM[name]
+    return [
+        "--data.task=reasoning_gym",
+        f"--data.reasoning_gym.task={name}",
+        f"--data.reasoning_gym.config={json.dumps(config)}",
+        f"--data.reasoning_gym.size={size}",
+        "--data.reasoning_gym.eval_size=100",
+        "--data.reasoning_gym.answer_prefill=true",
+        "--sampling.max_new_tokens=16",  # the answer, and its closing tag
+    ]
+
+
 def plot(runs: dict[int, dict], path: Path, title: str) -> None:
     import matplotlib
 
@@ -76,11 +103,11 @@ def plot(runs: dict[int, dict], path: Path, title: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=["calculator", "two_turn_sums"], default="calculator")
+    p.add_argument("--task", choices=["calculator", "two_turn_sums", *REASONING_GYM], default="calculator")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--eval-problems", type=int, default=100)
-    p.add_argument("--out", default=None, help="default: runs/bench-agent (calculator), runs/bench-verifiers")
+    p.add_argument("--out", default=None, help="default: runs/bench-agent, bench-verifiers, bench-rg-<task>")
     p.add_argument("--plot", default=None, help="PNG to write (default: <out>/agent.png)")
     p.add_argument("overrides", nargs="*", metavar="--section.key=value", help="more config overrides")
     args, extra = p.parse_known_args()
@@ -92,9 +119,13 @@ def main() -> int:
             VERIFIERS,
             "tandem: GRPO on a two-turn verifiers environment, SmolLM2-135M (CPU, 2 cores)",
         )
-    out = Path(
-        args.out or REPO / "runs" / ("bench-agent" if args.task == "calculator" else "bench-verifiers")
+    if args.task in REASONING_GYM:
+        task = reasoning_gym_task(args.task)
+        title = f"tandem: GRPO on reasoning-gym's {args.task}, SmolLM2-135M (CPU, 2 cores)"
+    folder = {"calculator": "bench-agent", "two_turn_sums": "bench-verifiers"}.get(
+        args.task, f"bench-rg-{args.task}"
     )
+    out = Path(args.out or REPO / "runs" / folder)
     out = out.resolve()
     if args.task == "calculator":
         task = [*TASK, f"--data.path={calculator.write(out / 'data')}"]
