@@ -415,8 +415,7 @@ class OpenAIBackend:
     def _samples(self, out: dict) -> list[Sample]:
         samples = []
         for c in sorted(out["choices"], key=lambda c: c["index"]):
-            if c.get("finish_reason") not in ("stop", "length"):
-                raise GenerationAborted(f"the engine did not finish the request ({c.get('finish_reason')})")
+            _check_finished(c)
             ids = list(c.get("token_ids") or [])
             content = (c.get("logprobs") or {}).get("content") or []
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -465,8 +464,7 @@ class OpenAIBackend:
             params["prompt_logprobs"] = request.prompt_logprobs
         out = await self._request(adapter, token_ids=prompt, sampling_params=params)
         c = out["choices"][0]
-        if c.get("finish_reason") not in ("stop", "length"):
-            raise GenerationAborted(f"the engine did not finish the request ({c.get('finish_reason')})")
+        _check_finished(c)
         prompt_lps = None
         if request.prompt_logprobs is not None:
             steps = out.get("prompt_logprobs") or []
@@ -506,6 +504,12 @@ class OpenAIBackend:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
         await self._client.aclose()
+
+
+def _check_finished(choice: dict) -> None:
+    """A choice the engine aborted (its sleep, a shutdown) is not a completion."""
+    if choice.get("finish_reason") not in ("stop", "length"):
+        raise GenerationAborted(f"the engine did not finish the request ({choice.get('finish_reason')})")
 
 
 def _token_logprob(step: dict, token: int) -> TokenLogprob:

@@ -22,7 +22,7 @@ from rollout_server.backend import (
 )
 from rollout_server.engine_gates import MergedWeights, ScoringGate
 from rollout_server.vllm_merge import MergeWorker
-from shared.config import ConfigError, TandemConfig
+from shared.config import ConfigError, TandemConfig, VllmConfig
 
 log = logging.getLogger("tandem.server")
 
@@ -94,9 +94,10 @@ class TandemWorker(MergeWorker):
         return leave_stop_signals_to_the_engine()
 
 
-def cpu_binding(cpus: list[int], ranks: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel CPU workers: `cpus` split into that many
-    consecutive groups, one per rank ('0,1|2,3'); one rank takes them all ('0,1,2,3')."""
+def cpu_binding(vc: VllmConfig) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for the engine's tensor-parallel CPU workers: the first cpu_threads cores
+    this process may use, split into one consecutive group per rank ('0,1|2,3'); one rank takes them all."""
+    cpus, ranks = sorted(os.sched_getaffinity(0))[: vc.cpu_threads], vc.tensor_parallel_size
     if ranks > len(cpus):
         raise ConfigError(
             f"server.vllm.tensor_parallel_size={ranks} needs a core per rank; this process may use "
@@ -124,10 +125,7 @@ def check_vllm_settings(cfg: TandemConfig, cuda: bool | None = None) -> None:
             "use tensor_parallel_size, or several servers (server.num_shards)"
         )
     if not cuda and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # (an explicit binding is the user's)
-        cpu_binding(
-            sorted(os.sched_getaffinity(0))[: cfg.server.vllm.cpu_threads],
-            cfg.server.vllm.tensor_parallel_size,
-        )
+        cpu_binding(cfg.server.vllm)
     size = cfg.server.vllm.block_size
     if size is not None and not cuda and size % 32:
         raise ConfigError(
@@ -207,9 +205,7 @@ class VllmBackend:
 
         cuda = current_platform.is_cuda()
         if not cuda and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # an explicit setting wins
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(
-                sorted(os.sched_getaffinity(0))[: vc.cpu_threads], vc.tensor_parallel_size
-            )
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(vc)
         if not cuda:  # read by the engine's processes, which start below
             os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
         merge = cfg.server.adapter_mode == "merge"
