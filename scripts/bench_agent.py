@@ -3,14 +3,15 @@ held-out success before and after a short run, the training reward per step, and
 
     .venv/bin/python scripts/bench_agent.py [--seeds 0,1,2] [--steps 16] [--eval-problems 100]
     .venv/bin/python scripts/bench_agent.py --task two_turn_sums     # a `verifiers` environment instead
-    .venv/bin/python scripts/bench_agent.py --task chain_sum         # reasoning-gym (or basic_arithmetic)
+    .venv/bin/python scripts/bench_agent.py --task syllogism         # reasoning-gym (or number_format, ...)
 
 --task two_turn_sums trains on examples/two_turn_sums.py, a taskset of the `verifiers` library played by
 its own harness (env.kind = "verifiers"), and evaluates on its 100 held-out tasks the same way: success is
-its `correct` reward (the second answer right). --task chain_sum / basic_arithmetic trains on that
-reasoning-gym task (data.task = "reasoning_gym", small operands, data.reasoning_gym.answer_prefill: SmolLM2
-never writes the <answer> tag itself) and evaluates on its held-out split, scored by the task's own
-score_answer (correct: a score of 1).
+its `correct` reward (the second answer right). --task syllogism / number_format / ransom_note / chain_sum /
+basic_arithmetic trains on that reasoning-gym task (data.task = "reasoning_gym", small configs,
+data.reasoning_gym.answer_prefill: SmolLM2 never writes the <answer> tag itself) and evaluates on its
+held-out split, scored by the task's own score_answer (correct: a score of 1), next to what always giving
+the split's most common answer scores.
 
 Each seed is `scripts/demo.py` (vLLM server with merged versions, DeepSpeed learner, deploy/configs/cpu.toml,
 bf16 where the CPU computes in it) on the calculator task as tool-use episodes: the model may call
@@ -57,9 +58,15 @@ VERIFIERS = [
 # reasoning-gym tasks whose groups carry a signal for SmolLM2-135M with the prefill (docs/benchmarks.md §13):
 # config, train size (basic_arithmetic's one-digit pairs are ~400 problems: a small train split leaves a
 # held-out one)
+# items generated for the held-out split: those the train split also has are removed, and a run scores the
+# first --eval-problems of the rest (chain_sum's 2-digit sums kept 45 of 100)
+EVAL_SIZE = 150
 REASONING_GYM = {
     "chain_sum": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, 2000),
     "basic_arithmetic": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 200),
+    "syllogism": ({}, 2000),  # Yes / No
+    "ransom_note": ({}, 2000),  # True / False
+    "number_format": ({"min_num_candidates": 2, "max_num_candidates": 2}, 2000),  # the larger or smaller
 }
 
 
@@ -70,10 +77,27 @@ def reasoning_gym_task(name: str) -> list[str]:
         f"--data.reasoning_gym.task={name}",
         f"--data.reasoning_gym.config={json.dumps(config)}",
         f"--data.reasoning_gym.size={size}",
-        "--data.reasoning_gym.eval_size=100",
+        f"--data.reasoning_gym.eval_size={EVAL_SIZE}",
         "--data.reasoning_gym.answer_prefill=true",
         "--sampling.max_new_tokens=16",  # the answer, and its closing tag
     ]
+
+
+def majority_baseline(name: str, seed: int, problems: int) -> tuple[str, float]:
+    """The held-out accuracy of always giving the most common answer, on the problems the run evaluates
+    (a run that learns only the answer's form and the tasks' prior reaches it, not more)."""
+    from collections import Counter
+
+    from shared.datasets import load_problems
+    from shared.task_config import DataConfig
+
+    config, size = REASONING_GYM[name]
+    rg = {"task": name, "config": config, "size": size, "eval_size": EVAL_SIZE}
+    answers = [
+        p.answer for p in load_problems(DataConfig(task="reasoning_gym", seed=seed, reasoning_gym=rg), "test")
+    ]
+    answer, count = Counter(answers[:problems]).most_common(1)[0]
+    return answer, count / len(answers[:problems])
 
 
 def plot(runs: dict[int, dict], path: Path, title: str) -> None:
@@ -145,6 +169,8 @@ def main() -> int:
             "minutes": summary["wall_clock_s"] / 60,
             "metrics": metrics,
         }
+        if args.task in REASONING_GYM:
+            runs[seed]["majority"] = majority_baseline(args.task, seed, args.eval_problems)
         r = runs[seed]
         print(f"   {100 * r['before']:.0f}% -> {100 * r['after']:.0f}% in {r['minutes']:.1f} min", flush=True)
     if not runs:
@@ -157,6 +183,12 @@ def main() -> int:
             f"{seed:>4}  {100 * r['before']:5.1f}%  {100 * r['after']:5.1f}%  "
             f"{100 * (r['after'] - r['before']):+5.1f}  {r['minutes']:6.1f} min  {first:.2f} -> {last:.2f}"
         )
+    for seed, r in runs.items():
+        if "majority" in r:
+            answer, share = r["majority"]
+            print(
+                f"seed {seed}: always answering {answer!r} scores {100 * share:.0f}% of the held-out problems"
+            )
     gains = [100 * (r["after"] - r["before"]) for r in runs.values()]
     print(f"mean gain: {sum(gains) / len(gains):+.1f} points over {len(runs)} seed(s)")
     path = Path(args.plot) if args.plot else out / "agent.png"

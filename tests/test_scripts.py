@@ -190,3 +190,26 @@ def test_the_limit_model_counts_a_step_by_hand():
     cfg = {"grpo": {"beta": 0.04, "old_logprobs": "recompute"}}
     assert limits.forwards_per_step(cfg) == 4.0
     assert limits.forwards_per_step({"grpo": {"beta": 0.0, "old_logprobs": "sampler"}}) == 2.0
+
+
+def test_the_agent_benchmark_s_reasoning_gym_tasks_hold_out_what_it_evaluates():
+    """Each reasoning-gym task of scripts/bench_agent.py makes a held-out split of at least the 50 problems
+    the benchmark scores (a config whose questions repeat leaves fewer after the train split's are removed:
+    one-word letter_counting kept 43 of 100), and the majority baseline it prints is that split's."""
+    pytest.importorskip("reasoning_gym")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from bench_agent import EVAL_SIZE, REASONING_GYM, majority_baseline
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    from shared.datasets import load_problems
+    from shared.task_config import DataConfig
+
+    for name, (config, size) in REASONING_GYM.items():
+        rg = {"task": name, "config": config, "size": size, "eval_size": EVAL_SIZE}
+        held_out = load_problems(DataConfig(task="reasoning_gym", seed=1, reasoning_gym=rg), "test")
+        assert len(held_out) >= 50, name
+        answer, share = majority_baseline(name, 1, 50)
+        answers = [p.answer for p in held_out[:50]]
+        assert share == answers.count(answer) / 50 == max(answers.count(a) for a in answers) / 50, name
+    assert majority_baseline("syllogism", 1, 50) == ("Yes", 0.76)  # docs/benchmarks.md §13, seed 1
