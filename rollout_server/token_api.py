@@ -46,7 +46,16 @@ from rollout_server.openai_schema import (
 from rollout_server.verifiers_runner import PRODUCTION_HEADER
 
 RECORDS = 65_536  # choices kept for checking: minutes of rollouts at any batch size this server runs
-IGNORED = ("seed", "skip_special_tokens", "spaces_between_special_tokens", "detokenize")
+# Accepted and ignored (docs/openai.md); routed_experts_prompt_start is where a mixture-of-experts model's
+# routing of the prompt is reported from, which the verifiers client sends on a bridged turn: this server's
+# models are dense and its answers carry no routed_experts.
+IGNORED = (
+    "seed",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "detokenize",
+    "routed_experts_prompt_start",
+)
 
 
 class SamplingParams(BaseModel):

@@ -96,6 +96,7 @@ class VerifiersRunner:
     def __init__(self, cfg: TandemConfig, records, model_path: str):
         self.cfg, self.records, self.model_path = cfg, records, model_path
         self.env, self.tasks = verifiers_tasks.load(cfg.env)
+        self.renderer = verifiers_tasks.renderer_config(cfg.env)
         self.secret = secrets.token_hex(16)
         host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         self.url = f"http://{host}:{cfg.server.port}"
@@ -110,6 +111,7 @@ class VerifiersRunner:
         client = vf.TrainClientConfig(
             base_url=f"{self.url}/v1",
             api_key_var=self.key_var,
+            renderer=self.renderer,
             renderer_model_name=self.model_path,
             headers={PRODUCTION_HEADER: self.secret},
         )

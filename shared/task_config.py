@@ -193,6 +193,16 @@ class EnvConfig(Section):
         "{taskset = {id = 'my_taskset'}}; each seat without a harness or runtime gets the null harness on "
         "the subprocess runtime (the library's local path; its defaults need a sandbox or a hosted login)",
     )
+    renderer: str = Field(
+        default="bridge",
+        description="verifiers: how the library's training client renders each turn to tokens. 'bridge': "
+        "tandem's, which keeps every earlier turn's tokens as sampled and appends what the model's chat "
+        "template adds (re-renders where the template does not extend its own renders); 'auto': the "
+        "library's choice by model name (a local folder gets its DefaultRenderer, which re-renders the "
+        "conversation each turn, so a reply that tokenizes differently from how it was sampled splits the "
+        "episode and drops its group); a renderer of the `renderers` library by name ('qwen3', 'llama-3', "
+        "...); or a renderer class of your own as 'module.Class' / 'path/to/file.py:Class'",
+    )
     verifiers_limit: int = Field(
         default=10000, ge=1, description="verifiers: at most this many of the taskset's tasks (in its order)"
     )

@@ -75,9 +75,42 @@ def env_config(cfg: EnvConfig):
         raise ConfigError(msg) from None
 
 
+BRIDGE = "rollout_server.verifiers_renderer.BridgeRenderer"  # env.renderer = "bridge"
+
+
+def renderer_config(cfg: EnvConfig):
+    """env.renderer as the library's RendererConfig for its training client (None: "auto", the library
+    chooses). A name of the `renderers` library wins over an import path of the same spelling ("qwen3.5").
+    Raises ConfigError naming the field."""
+    import_verifiers()
+    if cfg.renderer == "auto":
+        return None
+    from pydantic import TypeAdapter, ValidationError
+    from renderers import RendererConfig
+
+    adapter = TypeAdapter(RendererConfig)
+    if cfg.renderer == "bridge":
+        return adapter.validate_python({"name": "custom", "import_path": BRIDGE})
+    try:
+        return adapter.validate_python({"name": cfg.renderer})
+    except ValidationError as e:  # not a name: an import path, or one line saying what it could be
+        if not any(c in cfg.renderer for c in ".:/"):
+            names = next(
+                (x["ctx"]["expected_tags"] for x in e.errors() if "expected_tags" in x.get("ctx", {})), ""
+            )
+            msg = f"env.renderer = '{cfg.renderer}': not 'bridge', 'auto', a renderer's name ({names}) or a "
+            raise ConfigError(msg + "renderer class ('module.Class' / 'path/to/file.py:Class')") from None
+    try:
+        return adapter.validate_python({"name": "custom", "import_path": cfg.renderer})
+    except Exception as e:  # noqa: BLE001 - the library's reason, on one line
+        msg = f"env.renderer = '{cfg.renderer}': not a renderer's name, nor an importable renderer class: "
+        raise ConfigError(msg + _one_line(e)) from None
+
+
 @functools.lru_cache(maxsize=1)
 def _load(key: str):
     cfg = EnvConfig.model_validate_json(key)
+    renderer_config(cfg)
     config = env_config(cfg)
     from verifiers.v1.utils.loaders import load_environment
 

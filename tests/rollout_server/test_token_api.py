@@ -27,6 +27,7 @@ def test_tokens_come_back_with_their_logprobs_as_both_clients_read_them_and_are_
     with TestClient(fake_app(tmp_path, backend)) as c:
         assert _publish(c, 1, tiny_adapter(tmp_path / "a1")).status_code == 200
         sp = {"n": 2, "max_tokens": 8, "logprobs": 1, "stop_token_ids": [23], "skip_special_tokens": False}
+        sp["routed_experts_prompt_start"] = 2  # what the verifiers client adds on a bridged turn
         r = c.post(URL, json={"model": "policy-v1", "token_ids": [5, 6, 7], "sampling_params": sp})
         assert r.status_code == 200, r.text
         body = r.json()

@@ -1,0 +1,102 @@
+"""The renderer tandem gives the `verifiers` training client by default (env.renderer = "bridge").
+
+The library's client renders each turn of an episode to token ids. For a model the `renderers` library has
+no renderer of its own for (any model served from a local folder, SmolLM2 among them) it falls back to
+`DefaultRenderer`, which cannot extend the previous turn's tokens: each turn re-renders the whole
+conversation, and a reply whose text tokenizes differently from how the model sampled it starts a new
+branch of the trace, which tandem cannot train (the group is dropped; about one in eight on SmolLM2).
+
+`BridgeRenderer` keeps the previous prompt and the sampled reply verbatim and appends what the model's own
+chat template adds after an assistant turn: the rest of its close (ChatML's "\\n" after the sampled
+<|im_end|>, or the whole close after a reply cut at the token limit), the new messages, the generation
+prompt. It reads those pieces off the template, rendering a probe conversation with and without the new
+messages, and bridges only when each render extends the one before it and the pieces tokenize as their
+concatenation does; otherwise it returns None and the client re-renders, as `DefaultRenderer` would. Full
+renders (the first turn, and every turn the bridge declines) are `DefaultRenderer`'s."""
+
+from __future__ import annotations
+
+from renderers.base import RenderedTokens, extract_message_tool_names
+from renderers.configs import DefaultRendererConfig
+from renderers.default import DefaultRenderer
+
+# Probe contents no template writes itself (Unicode private-use characters around a name).
+_QUESTION, _REPLY = "\ue000tandem probe question\ue001", "\ue000tandem probe reply\ue001"
+_BRIDGEABLE = ("user", "tool", "system")
+
+
+class BridgeRendererConfig(DefaultRendererConfig):
+    """`DefaultRendererConfig`: extra fields are the template's kwargs; the bridge adds none."""
+
+
+class BridgeRenderer(DefaultRenderer):
+    config_class = BridgeRendererConfig
+
+    def _text(self, messages: list, tools, generation_prompt: bool) -> str:
+        kwargs = dict(self.config.model_extra or {})
+        if tools is not None:
+            kwargs["tools"] = tools
+        return self._tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+        )
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def bridge_pieces(self, new_messages: list, tools=None) -> list[str] | None:
+        """The text the template adds after a closed assistant turn, in pieces: [the close after the
+        reply's content, each new message, the generation prompt]; None when the template does not extend
+        its own renders (or refuses the probe)."""
+        probe = [{"role": "user", "content": _QUESTION}, {"role": "assistant", "content": _REPLY}]
+        try:
+            texts = [
+                self._text(probe + list(new_messages[:i]), tools, False) for i in range(len(new_messages) + 1)
+            ]
+            texts.append(self._text(probe + list(new_messages), tools, True))
+        except Exception:  # noqa: BLE001 - a template that raises on the probe (strict role order): re-render
+            return None
+        if any(not later.startswith(earlier) for earlier, later in zip(texts, texts[1:], strict=False)):
+            return None
+        at = texts[0].rfind(_REPLY)
+        if at < 0:  # the template rewrites an assistant's content: only full renders are faithful to it
+            return None
+        return [texts[0][at + len(_REPLY) :]] + [b[len(a) :] for a, b in zip(texts, texts[1:], strict=False)]
+
+    def bridge_to_next_turn(
+        self,
+        previous_prompt_ids: list[int],
+        previous_completion_ids: list[int],
+        new_messages: list,
+        *,
+        tools=None,
+    ) -> RenderedTokens | None:
+        """`previous_prompt_ids + previous_completion_ids` verbatim, then the close's remainder, the new
+        messages and the generation prompt as the template renders them (see the module's docstring)."""
+        if not previous_prompt_ids or not previous_completion_ids or not new_messages:
+            return None
+        if any(m.get("role") not in _BRIDGEABLE for m in new_messages):
+            return None  # an assistant message would re-tokenize sampled text
+        pieces = self.bridge_pieces(new_messages, tools)
+        if pieces is None:
+            return None
+        ids = [self._encode(p) for p in pieces]
+        if [t for piece in ids for t in piece] != self._encode("".join(pieces)):
+            return None  # the pieces tokenize differently from the whole: the whole is what a render gives
+        close = ids[0]
+        # The close's head the engine already sampled (the stop token); none when the reply was cut short.
+        sampled = next((k for k in range(len(close), 0, -1) if previous_completion_ids[-k:] == close[:k]), 0)
+        if not sampled and previous_completion_ids[-1] in self.get_stop_token_ids():
+            return None  # stopped on a token that is not the template's close: nothing to extend safely
+        previous = [*previous_prompt_ids, *previous_completion_ids, *close[sampled:]]
+        added = ids[1:]
+        indices = [-1] * len(previous)
+        for i, piece in enumerate(added):
+            indices += [i if i < len(new_messages) else -1] * len(piece)
+        token_ids = previous + [t for piece in added for t in piece]
+        return RenderedTokens(
+            token_ids=token_ids,
+            message_indices=indices,
+            sampled_mask=[False] * len(token_ids),
+            message_roles=[m.get("role") or "" for m in new_messages],
+            message_tool_names=extract_message_tool_names(new_messages),
+        )
