@@ -399,13 +399,13 @@ class OpenAIBackend:
 
     async def _request(self, adapter: Adapter | None, **body) -> dict:
         """A generate-route call on an endpoint serving `adapter`, retried on another if that one is lost."""
+        scoring = body["sampling_params"].get("prompt_logprobs") is not None  # never batched with sampling
         while True:
             ep = await self._ready(adapter)
             ep.busy += 1
             try:
                 if adapter is not None and adapter.version not in ep.loaded:  # on demand (_ready)
                     await self._load_on(ep, adapter)
-                scoring = body["sampling_params"].get("prompt_logprobs") is not None
                 async with ep.gate.scoring() if scoring else ep.gate.generating():
                     out = await self._post(
                         ep, GENERATE, ep.url, model=adapter.name if adapter else ep.base, **body

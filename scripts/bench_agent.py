@@ -58,9 +58,6 @@ VERIFIERS = [
 # reasoning-gym tasks whose groups carry a signal for SmolLM2-135M with the prefill (docs/benchmarks.md §13):
 # config, train size (basic_arithmetic's one-digit pairs are ~400 problems: a small train split leaves a
 # held-out one)
-# items generated for the held-out split: those the train split also has are removed, and a run scores the
-# first --eval-problems of the rest (chain_sum's 2-digit sums kept 45 of 100)
-EVAL_SIZE = 150
 REASONING_GYM = {
     "chain_sum": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, 2000),
     "basic_arithmetic": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 200),
@@ -70,15 +67,24 @@ REASONING_GYM = {
 }
 
 
-def reasoning_gym_task(name: str) -> list[str]:
+# items generated for the held-out split: those the train split also has are removed, and a run scores the
+# first --eval-problems of the rest (chain_sum's 2-digit sums kept 45 of 100)
+EVAL_SIZE = 150
+
+
+def rg_data(name: str) -> dict:
+    """data.reasoning_gym for one of REASONING_GYM's tasks: what the run is given and the baseline reads."""
     config, size = REASONING_GYM[name]
+    return {"task": name, "config": config, "size": size, "eval_size": EVAL_SIZE, "answer_prefill": True}
+
+
+def reasoning_gym_task(name: str) -> list[str]:
     return [
         "--data.task=reasoning_gym",
-        f"--data.reasoning_gym.task={name}",
-        f"--data.reasoning_gym.config={json.dumps(config)}",
-        f"--data.reasoning_gym.size={size}",
-        f"--data.reasoning_gym.eval_size={EVAL_SIZE}",
-        "--data.reasoning_gym.answer_prefill=true",
+        *(
+            f"--data.reasoning_gym.{k}={v if isinstance(v, str) else json.dumps(v)}"
+            for k, v in rg_data(name).items()
+        ),
         "--sampling.max_new_tokens=16",  # the answer, and its closing tag
     ]
 
@@ -91,11 +97,8 @@ def majority_baseline(name: str, seed: int, problems: int) -> tuple[str, float]:
     from shared.datasets import load_problems
     from shared.task_config import DataConfig
 
-    config, size = REASONING_GYM[name]
-    rg = {"task": name, "config": config, "size": size, "eval_size": EVAL_SIZE}
-    answers = [
-        p.answer for p in load_problems(DataConfig(task="reasoning_gym", seed=seed, reasoning_gym=rg), "test")
-    ]
+    data = DataConfig(task="reasoning_gym", seed=seed, reasoning_gym=rg_data(name))
+    answers = [p.answer for p in load_problems(data, "test")]
     answer, count = Counter(answers[:problems]).most_common(1)[0]
     return answer, count / len(answers[:problems])
 

@@ -199,15 +199,16 @@ def test_the_agent_benchmark_s_reasoning_gym_tasks_hold_out_what_it_evaluates():
     pytest.importorskip("reasoning_gym")
     sys.path.insert(0, str(REPO / "scripts"))
     try:
-        from bench_agent import EVAL_SIZE, REASONING_GYM, majority_baseline
+        from bench_agent import REASONING_GYM, majority_baseline, rg_data
     finally:
         sys.path.remove(str(REPO / "scripts"))
     from shared.datasets import load_problems
     from shared.task_config import DataConfig
 
-    for name, (config, size) in REASONING_GYM.items():
-        rg = {"task": name, "config": config, "size": size, "eval_size": EVAL_SIZE}
-        held_out = load_problems(DataConfig(task="reasoning_gym", seed=1, reasoning_gym=rg), "test")
+    for name in REASONING_GYM:
+        held_out = load_problems(
+            DataConfig(task="reasoning_gym", seed=1, reasoning_gym=rg_data(name)), "test"
+        )
         assert len(held_out) >= 50, name
         answer, share = majority_baseline(name, 1, 50)
         answers = [p.answer for p in held_out[:50]]
