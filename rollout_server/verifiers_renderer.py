@@ -16,9 +16,19 @@ renders (the first turn, and every turn the bridge declines) are `DefaultRendere
 
 from __future__ import annotations
 
-from renderers.base import RenderedTokens, extract_message_tool_names
+import json
+
+from renderers.base import (
+    ParsedResponse,
+    ParsedToolCall,
+    RenderedTokens,
+    ToolCallParseStatus,
+    extract_message_tool_names,
+)
 from renderers.configs import DefaultRendererConfig
 from renderers.default import DefaultRenderer
+
+from rollout_server.episodes import TOOL_CALL, TOOLS_PREAMBLE
 
 # Probe contents no template writes itself (Unicode private-use characters around a name).
 _QUESTION, _REPLY = "\ue000tandem probe question\ue001", "\ue000tandem probe reply\ue001"
@@ -31,6 +41,76 @@ class BridgeRendererConfig(DefaultRendererConfig):
 
 class BridgeRenderer(DefaultRenderer):
     config_class = BridgeRendererConfig
+
+    # -- function tools on a template that has no place for them -------------------------------------------
+    @property
+    def supports_tools(self) -> bool:
+        return True
+
+    def _text_tools(self, tools) -> bool:
+        """Whether tandem describes `tools` itself: the chat template ignores them (SmolLM2's does) and no
+        tool parser of the library is configured. The description and the call format are env.kind =
+        "tools"' (rollout_server/episodes.py): <tool_call>{"name": ..., "arguments": ...}</tool_call>."""
+        if not tools or self._tool_parser is not None:
+            return False
+        probe = [{"role": "user", "content": _QUESTION}]
+        return self._text(probe, tools, True) == self._text(probe, None, True)
+
+    def _with_tools(self, messages: list, tools) -> list:
+        """The conversation as the template renders it with tandem's tools description in the system message,
+        and each assistant tool call written back as the text the model samples."""
+        described = "\n".join([TOOLS_PREAMBLE, *(json.dumps(t.get("function", t)) for t in tools)])
+        out = []
+        for m in messages:
+            m = dict(m)
+            calls = m.pop("tool_calls", None) or []
+            if m.get("role") == "assistant" and calls:
+                text = "".join(
+                    "<tool_call>"
+                    + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)})
+                    + "</tool_call>"
+                    for c in calls
+                )
+                m["content"] = (m.get("content") or "") + text
+            out.append(m)
+        if out and out[0].get("role") == "system":
+            return [{**out[0], "content": f"{out[0].get('content') or ''}\n\n{described}"}, *out[1:]]
+        return [{"role": "system", "content": described}, *out]
+
+    def render(self, messages: list, *, tools=None, add_generation_prompt: bool = False) -> RenderedTokens:
+        if not self._text_tools(tools):
+            return super().render(messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        rendered = super().render(
+            self._with_tools(messages, tools), add_generation_prompt=add_generation_prompt
+        )
+        if messages and messages[0].get("role") == "system":
+            indices = rendered.message_indices
+        else:  # the system message is tandem's: its tokens belong to no message of the caller's
+            indices = [i - 1 if i > 0 else -1 for i in rendered.message_indices]
+        return RenderedTokens(
+            token_ids=rendered.token_ids,
+            message_indices=indices,
+            message_roles=[m.get("role") or "" for m in messages],
+            message_tool_names=extract_message_tool_names(messages),
+        )
+
+    def render_ids(self, messages: list, *, tools=None, add_generation_prompt: bool = False) -> list[int]:
+        return self.render(messages, tools=tools, add_generation_prompt=add_generation_prompt).token_ids
+
+    def parse_response(self, token_ids: list[int], *, tools=None, prompt_ids=None) -> ParsedResponse:
+        parsed = super().parse_response(token_ids, tools=tools, prompt_ids=prompt_ids)
+        if not self._text_tools(tools) or "<tool_call>" not in parsed.content:
+            return parsed
+        content, _, _ = parsed.content.partition("<tool_call>")
+        calls = [_tool_call(body) for body in TOOL_CALL.findall(parsed.content)]
+        if parsed.content.count("<tool_call>") > len(calls):
+            calls.append(ParsedToolCall(raw=parsed.content.rpartition("<tool_call>")[2], status=_UNCLOSED))
+        return ParsedResponse(
+            content=content,
+            reasoning_content=parsed.reasoning_content,
+            tool_calls=calls,
+            reasoning_complete=True,
+        )
 
     def _text(self, messages: list, tools, generation_prompt: bool) -> str:
         kwargs = dict(self.config.model_extra or {})
@@ -100,3 +180,29 @@ class BridgeRenderer(DefaultRenderer):
             message_roles=[m.get("role") or "" for m in new_messages],
             message_tool_names=extract_message_tool_names(new_messages),
         )
+
+
+_UNCLOSED = ToolCallParseStatus.UNCLOSED_BLOCK
+
+
+def _arguments(call: dict) -> dict:
+    arguments = call["function"].get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return {"raw": arguments}
+    return arguments
+
+
+def _tool_call(body: str) -> ParsedToolCall:
+    """One <tool_call> block's body as the library's parse record."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return ParsedToolCall(raw=body, status=ToolCallParseStatus.INVALID_JSON)
+    if not isinstance(call, dict) or not isinstance(call.get("arguments", {}), dict):
+        return ParsedToolCall(raw=body, status=ToolCallParseStatus.MALFORMED_STRUCTURE)
+    if not isinstance(call.get("name"), str):
+        return ParsedToolCall(raw=body, status=ToolCallParseStatus.MISSING_NAME)
+    return ParsedToolCall(raw=body, name=call["name"], arguments=call.get("arguments", {}))

@@ -136,9 +136,13 @@ KEY_VAR = "TANDEM_VERIFIERS_KEY"  # the variable the library's clients read the 
 
 def prepare_process(token: str | None) -> str:
     """This process ready to run the library's episodes against a tandem server: the server's bearer token
-    (None: it has none) in KEY_VAR, whose name is returned for the library's client config; and this
-    environment's bin folder on PATH, for the `uv` the subprocess runtime prepares harness programs with."""
+    (None: it has none) in KEY_VAR, whose name is returned for the library's client config; this
+    environment's bin folder on PATH, for the `uv` the subprocess runtime prepares harness programs with;
+    and PYTHONPATH's folders absolute, for the tool servers that runtime starts in folders of its own
+    (`python -m <taskset module>`: with PYTHONPATH=examples they would not find it)."""
     os.environ[KEY_VAR] = token or "none"
+    if paths := os.environ.get("PYTHONPATH"):
+        os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in paths.split(os.pathsep) if p)
     bindir = os.path.dirname(sys.executable)
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")

@@ -93,3 +93,88 @@ def test_two_steps_on_a_verifiers_environment_of_two_turns(tmp_path, model_dir):
     assert result["rewards"].keys() == {"correct", "first_right"}
     expected = result["rewards"]["correct"] + 0.5 * result["rewards"]["first_right"]
     assert result["reward_greedy"] == pytest.approx(expected)
+
+
+TOOL_TASKSET = [
+    "--sampling.temperature=1.0",
+    "--sampling.max_new_tokens=48",  # a call to multiply is 34 tokens
+    "--sampling.group_size=8",
+    "--server.prompts_per_batch=1",
+    "--server.queue_size=2",
+    "--env.kind=verifiers",
+    '--env.verifiers={"taskset": {"id": "my_calculator"}}',
+    "--env.verifiers_limit=200",
+]
+# (a reply cut at the token limit right after its call gets the close the template writes: <|im_end|>)
+TOOL_TURN = re.compile(
+    r"^(?:<\|im_end\|>)?\n<\|im_start\|>tool\n(.*)<\|im_end\|>\n<\|im_start\|>assistant\n$", re.S
+)
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def test_a_verifiers_taskset_with_a_function_tool_plays_its_tool_server_s_results(tmp_path, model_dir):
+    """examples/verifiers_calculator.py under a name of the test's own: the library's `Toolset` (an MCP
+    server its subprocess runtime starts for each episode) gives the null harness a `multiply` tool;
+    SmolLM2's template has no place for tools, so the bridge renderer describes it and reads the model's
+    <tool_call> text back as the library's calls. Groups are pulled until one holds an episode with a tool
+    turn (at most 12 groups: about 1 episode in 6 makes a call that parses, so 96 without one would be a
+    chance of ~1e-7). Each tool turn is masked out, holds what the tool server answered for the call the
+    model wrote (the product, or the library's error for another name), and every model token re-scores to
+    its sampler log-prob."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for name, source in (("my_calculator.py", "verifiers_calculator.py"), ("calculator.py", "calculator.py")):
+        (tmp_path / name).write_text((REPO / "examples" / source).read_text())
+    env = proc_env(PYTHONPATH=str(tmp_path))
+    server, client = start_server(tmp_path, TOOL_TASKSET, env=env)
+    groups, tool_turns = [], []
+    try:
+        while not tool_turns and len(groups) < 12:
+            pulled = client.pull(2, wait_s=120)
+            assert pulled.groups, "no group within 120 s"
+            client.ack(pulled.lease_id)
+            for g in pulled.groups:
+                groups.append(g)
+                for c in g.completions:
+                    ids, mask = c.token_ids, c.mask or [1] * len(c.token_ids)  # none: all the model's
+                    spans, i = [], 0
+                    while i < len(mask):  # each run of the harness's tokens, after the model's call
+                        if mask[i] == 0:
+                            j = i
+                            while j < len(mask) and mask[j] == 0:
+                                j += 1
+                            spans.append((tok.decode(ids[:i]), tok.decode(ids[i:j])))
+                            i = j
+                        else:
+                            i += 1
+                    tool_turns += [(g, c, before, turn) for before, turn in spans]
+        rescored = {
+            id(c): client.score(g.prompt_token_ids, c.token_ids, version=g.policy_version).logprobs
+            for g, c, _, _ in tool_turns
+        }
+        text = httpx.get(f"{client.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+    finally:
+        client.close()
+        server.stop()
+    assert tool_turns, f"no episode with a tool turn in {len(groups)} groups"
+    print(f"{len(tool_turns)} tool turns in {len(groups)} groups")
+    for _, c, before, turn in tool_turns:
+        result = TOOL_TURN.match(turn)
+        assert result, repr(turn)
+        call = json.loads(CALL.findall(before)[-1])  # the model's last call before the turn
+        args = call.get("arguments", {})
+        if (
+            call["name"] == "multiply"
+            and set(args) == {"a", "b"}
+            and all(isinstance(v, int) for v in args.values())
+        ):
+            assert result[1] == str(args["a"] * args["b"]), (call, result[1])
+        else:
+            assert "error" in result[1].lower(), (call, result[1])
+        assert c.rewards.keys() == {"solved"}
+        lps = [lp for lp, m in zip(rescored[id(c)], c.mask, strict=True) if m]  # (a tool turn: a mask)
+        assert len(lps) == len(c.logprobs)
+        assert sum(abs(a - b) for a, b in zip(lps, c.logprobs, strict=True)) / len(lps) < 2e-3
+    invalid = re.search(r"^tandem_groups_invalid_total (\S+)$", text, re.M)
+    assert invalid and float(invalid[1]) == 0

@@ -152,3 +152,80 @@ def test_env_renderer_names_a_library_renderer_or_a_class_and_says_so_in_one_lin
         "env.renderer = 'my_renderers.Chat': not a renderer's name, nor an importable renderer class: "
         "ModuleNotFoundError: No module named 'my_renderers'"
     )
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "multiply",
+            "description": "Multiply two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 12, "b": 34}}</tool_call>'
+
+
+def test_tools_a_template_ignores_are_described_in_the_system_message_and_calls_read_from_text(
+    renderer, tokenizer
+):
+    """SmolLM2's template has no place for tools: the bridge renderer describes them as env.kind = "tools"
+    does and reads <tool_call> blocks back as the library's tool calls, so the null harness can run them."""
+    from renderers.base import ToolCallParseStatus as Status
+
+    from rollout_server.episodes import TOOLS_PREAMBLE
+
+    assert renderer.supports_tools
+    rendered = renderer.render(QUESTION, tools=TOOLS, add_generation_prompt=True)
+    text = tokenizer.decode(rendered.token_ids)
+    assert text.startswith("<|im_start|>system\n" + TOOLS_PREAMBLE + "\n" + '{"name": "multiply", ')
+    assert text.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    # tandem's system message belongs to none of the caller's messages; the question is message 0
+    assert rendered.message_roles == ["user"] and set(rendered.message_indices) == {-1, 0}
+    first_user = rendered.message_indices.index(0)
+    assert tokenizer.decode(rendered.token_ids[:first_user]).endswith("<|im_end|>\n")
+    assert renderer.render_ids(QUESTION, tools=TOOLS, add_generation_prompt=True) == rendered.token_ids
+
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    parsed = renderer.parse_response(encode("Let me see. " + CALL) + [tokenizer.eos_token_id], tools=TOOLS)
+    assert parsed.content == "Let me see. "
+    [call] = parsed.tool_calls
+    assert (call.name, call.arguments, call.status) == ("multiply", {"a": 12, "b": 34}, Status.OK)
+    bad = renderer.parse_response(
+        encode("<tool_call>{x}</tool_call><tool_call>[1]</tool_call><tool_call>{"), tools=TOOLS
+    )
+    assert [c.status for c in bad.tool_calls] == [
+        Status.INVALID_JSON,
+        Status.MALFORMED_STRUCTURE,
+        Status.UNCLOSED_BLOCK,
+    ]
+    plain = renderer.parse_response(encode("It is 408.") + [tokenizer.eos_token_id], tools=TOOLS)
+    assert (plain.content, plain.tool_calls) == ("It is 408.", [])
+    # without tools, nothing of this: the template's own render
+    assert renderer.render_ids(QUESTION, add_generation_prompt=True) == tokenizer.apply_chat_template(
+        QUESTION, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+def test_a_tool_turn_bridged_is_the_full_render_of_the_call_and_its_result(renderer, tokenizer):
+    """The call the model sampled, its result as a tool message, the next generation prompt: bridged from
+    the sampled tokens, the same tokens a full render of the conversation gives (the call written back as the
+    text the model samples), so an episode's turns stay one branch whichever way the library renders."""
+    prompt = renderer.render_ids(QUESTION, tools=TOOLS, add_generation_prompt=True)
+    sampled = [*tokenizer.encode(CALL, add_special_tokens=False), tokenizer.eos_token_id]
+    result = [{"role": "tool", "tool_call_id": "call_0", "content": "408"}]
+    bridged = renderer.bridge_to_next_turn(prompt, sampled, result, tools=TOOLS)
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "multiply", "arguments": '{"a": 12, "b": 34}'},
+    }
+    conversation = [*QUESTION, {"role": "assistant", "content": None, "tool_calls": [call]}, *result]
+    assert bridged.token_ids == renderer.render_ids(conversation, tools=TOOLS, add_generation_prompt=True)
+    assert tokenizer.decode(bridged.token_ids[len(prompt) + len(sampled) :]) == (
+        "\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n"
+    )

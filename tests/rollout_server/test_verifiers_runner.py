@@ -130,3 +130,22 @@ def test_the_tasks_split_into_trained_and_held_out_and_seats_default_to_the_loca
     assert verifiers_tasks.env_config(TandemConfig(env=pinned).env).player.harness.id == "bash"
     with pytest.raises(ValueError, match="env.verifiers_eval must leave tasks to train on"):
         TandemConfig(env={**env, "verifiers_limit": 100})
+
+
+def test_the_process_is_prepared_for_the_librarys_runtimes(monkeypatch, tmp_path):
+    """The token in the variable the library's client reads, this venv's bin on PATH (its `uv`), and
+    PYTHONPATH absolute: the subprocess runtime starts a taskset's tool server as `python -m <module>` in a
+    folder of its own, where PYTHONPATH=examples would find nothing."""
+    import os
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["examples", "", "/abs/tasks"]))
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.setenv(verifiers_tasks.KEY_VAR, "")  # (so that the test's values are undone after it)
+    assert verifiers_tasks.prepare_process("s3cret") == verifiers_tasks.KEY_VAR
+    assert os.environ[verifiers_tasks.KEY_VAR] == "s3cret"
+    assert os.environ["PATH"].split(os.pathsep) == [os.path.dirname(sys.executable), "/usr/bin"]
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "examples"), "/abs/tasks"]
+    verifiers_tasks.prepare_process(None)
+    assert os.environ[verifiers_tasks.KEY_VAR] == "none"
