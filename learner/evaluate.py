@@ -117,6 +117,10 @@ async def _evaluate_verifiers(
     gate, t0 = asyncio.Semaphore(cfg.server.openai_max_sequences), time.perf_counter()
     async with env.serving():
         episodes = await asyncio.gather(*(env.run_slot(env.slots(task, 1)[0], ctx, gate) for task in tasks))
+    if failed := [e for e in episodes if not e.ok]:  # what went wrong, not only how often
+        errors = [err for e in failed for err in [*e.errors, *(x for tr in e.traces for x in tr.errors)]]
+        first = f"{errors[0].type}: {errors[0].message}" if errors else "no error recorded"
+        print(f"[eval] {len(failed)} of {len(episodes)} episodes failed; the first: {first}", file=sys.stderr)
     totals, by_name = [], {}
     for e in episodes:
         trace = next((tr for tr in e.traces if tr.agent.trainable), None)

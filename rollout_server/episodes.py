@@ -151,6 +151,19 @@ def as_messages(reply: Any) -> list[dict] | None:
     return None
 
 
+def tool_call_text(name: str, arguments: dict | str | None) -> str:
+    """A call as the model writes it (what parse_tool_calls reads); arguments as a dict or as OpenAI's JSON
+    string (one that is not a JSON object is kept as text under "raw")."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            arguments = {"raw": arguments}
+        if not isinstance(arguments, dict):
+            arguments = {"raw": json.dumps(arguments)}
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments or {}}) + "</tool_call>"
+
+
 def parse_tool_calls(text: str) -> list[dict] | str:
     """The calls in a model turn, [{"name", "arguments"}], or an error message for the model."""
     calls = []

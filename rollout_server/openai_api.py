@@ -35,6 +35,7 @@ from pydantic import BaseModel
 
 from rollout_server.backend import GenerationAborted, Piece, TokenLogprob
 from rollout_server.deps import server_of
+from rollout_server.episodes import parse_tool_calls, tools_prompt_ids
 from rollout_server.evaluation import (
     Choice,
     check_length,
@@ -49,6 +50,7 @@ from rollout_server.openai_schema import (
     BASE,
     ERRORS,
     LATEST,
+    CalledFunction,
     ChatChoice,
     ChatCompletion,
     ChatLogprobs,
@@ -61,6 +63,7 @@ from rollout_server.openai_schema import (
     ModelCard,
     ModelList,
     OpenAIError,
+    ToolCall,
     Usage,
     error_body,
 )
@@ -229,13 +232,36 @@ async def completions(req: CompletionRequest, s=Depends(server_of)):
 
 
 # -- /v1/chat/completions ----------------------------------------------------------------------------
+def reply(text: str, tools: list[dict]) -> ChatReply:
+    """The assistant's message: with tools offered, the <tool_call> blocks of its text as tool calls and the
+    text before them as its content (text whose calls do not parse stays text, as vLLM's parsers leave it)."""
+    calls = parse_tool_calls(text) if tools and "<tool_call>" in text else []
+    if not calls or isinstance(calls, str):
+        return ChatReply(content=text)
+    content = text.partition("<tool_call>")[0]
+    return ChatReply(
+        content=content or None,
+        tool_calls=[
+            ToolCall(
+                id=f"call_{uuid.uuid4().hex[:24]}",
+                function=CalledFunction(name=c["name"], arguments=json.dumps(c["arguments"])),
+            )
+            for c in calls
+        ],
+    )
+
+
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
 async def chat_completions(req: ChatRequest, s=Depends(server_of)):
     adapter, model = resolve(s, req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs = true", "top_logprobs")
-    # (a final assistant message gets a new turn after it, as vLLM's default add_generation_prompt does)
-    prompt = chat_prompt_ids(s.backend.tokenizer, [m.as_dict() for m in req.messages], continue_final=False)
+    tools = req.tool_specs
+    conversation = [m.as_dict() for m in req.messages]
+    if tools:  # described by the template, or in the system message in the format parse_tool_calls reads
+        prompt = tools_prompt_ids(s.backend.tokenizer, conversation, tools)
+    else:  # (a final assistant message gets a new turn after it, as vLLM's add_generation_prompt does)
+        prompt = chat_prompt_ids(s.backend.tokenizer, conversation, continue_final=False)
     room = s.cfg.model.max_model_len - len(prompt)
     max_tokens = req.max_completion_tokens or req.max_tokens or room
     check_length(s, prompt, max_tokens, "messages")
@@ -268,6 +294,7 @@ async def chat_completions(req: ChatRequest, s=Depends(server_of)):
 
     if not req.stream:
         choices = await collect(s, streams)
+        messages = [reply(c.text, tools) for c in choices]
         return ChatCompletion(
             id=cid,
             created=created,
@@ -275,11 +302,11 @@ async def chat_completions(req: ChatRequest, s=Depends(server_of)):
             choices=[
                 ChatChoice(
                     index=i,
-                    message=ChatReply(content=c.text),
+                    message=m,
                     logprobs=logprobs_of(c),
-                    finish_reason=c.finish_reason or "length",
+                    finish_reason="tool_calls" if m.tool_calls else c.finish_reason or "length",
                 )
-                for i, c in enumerate(choices)
+                for i, (c, m) in enumerate(zip(choices, messages, strict=True))
             ],
             usage=_usage([prompt], choices),
         )
@@ -297,7 +324,27 @@ async def chat_completions(req: ChatRequest, s=Depends(server_of)):
         }
         return body | ({"usage": usage.model_dump()} if usage else {})
 
+    async def whole_replies():
+        """With tools, each reply whole (a call is parsed from all of its text): its content, then its
+        calls as tool_calls deltas, then its finish_reason."""
+        choices = await collect(s, streams)
+        for i, (c, m) in enumerate(zip(choices, [reply(c.text, tools) for c in choices], strict=True)):
+            yield _sse(chunk(i, {"role": "assistant", "content": ""}))
+            if m.content:
+                lp = logprobs_of(c)
+                yield _sse(chunk(i, {"content": m.content}, lp.model_dump() if lp else None))
+            if m.tool_calls:
+                calls = [{"index": k, **call.model_dump()} for k, call in enumerate(m.tool_calls)]
+                yield _sse(chunk(i, {"tool_calls": calls}))
+            yield _sse(chunk(i, {}, finish="tool_calls" if m.tool_calls else c.finish_reason or "length"))
+        if req.stream_options and req.stream_options.include_usage:
+            yield _sse(chunk(-1, {}, usage=_usage([prompt], choices)))
+
     async def events():
+        if tools:
+            async for event in whole_replies():
+                yield event
+            return
         totals = [Choice() for _ in range(req.n)]
         for i in range(req.n):
             yield _sse(chunk(i, {"role": "assistant", "content": ""}))

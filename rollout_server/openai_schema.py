@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_server.backend import TextRequest
+from rollout_server.episodes import tool_call_text
 
 PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 BASE = "base"
@@ -179,14 +180,62 @@ class ContentPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    arguments: str = Field(description="JSON, as OpenAI writes it")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class SentToolCall(ToolCall):
+    index: int | None = Field(
+        default=None, description="ignored: a streamed delta's, kept by SDKs' accumulators"
+    )
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] = {}
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = Field(
+        default=None, description="null: an assistant's tool calls"
+    )
     name: str | None = None
+    tool_calls: list[SentToolCall] | None = Field(default=None, description="assistant: the calls it made")
+    tool_call_id: str | None = Field(default=None, description="tool: the call this message answers")
+
+    @model_validator(mode="after")
+    def _content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (null only for an assistant's tool calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls are an assistant message's")
+        return self
 
     def as_dict(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        """The message as the chat template takes it: an assistant's calls written as the model writes them
+        (rollout_server/episodes.py), a tool message's result as its content."""
+        content = self.content or ""
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        text += "".join(tool_call_text(c.function.name, c.function.arguments) for c in self.tool_calls or [])
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
@@ -197,8 +246,12 @@ class ChatRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = Field(default=None, description='only {"type": "text"}')
-    tool_choice: str | None = Field(default=None, description="only 'none'")
-    tools: list[dict[str, Any]] | None = Field(default=None, description="only []")
+    tool_choice: str | None = Field(default=None, description="'auto' (with tools, the default) or 'none'")
+    tools: list[Tool] | None = Field(
+        default=None,
+        description="function tools: described by the chat template, or where it has no place for them in "
+        'the system message as env.kind = "tools" does; calls read back from <tool_call> blocks',
+    )
 
     @field_validator("response_format")
     @classmethod
@@ -207,13 +260,17 @@ class ChatRequest(_Request):
 
     @field_validator("tool_choice")
     @classmethod
-    def _tool_choice(cls, v, info):
-        return _no_op(v, info.field_name)
+    def _tool_choice(cls, v):
+        if v not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice = {v!r} is not supported by this server (only 'auto' or 'none')")
+        return v
 
-    @field_validator("tools")
-    @classmethod
-    def _tools(cls, v, info):
-        return _no_op(v, info.field_name)
+    @property
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """The tools the model is offered: none with tool_choice 'none'."""
+        if self.tool_choice == "none":
+            return []
+        return [t.model_dump(exclude_none=True) for t in self.tools or []]
 
 
 _Request.model_rebuild()
@@ -282,14 +339,15 @@ class ChatLogprobs(BaseModel):
 
 class ChatReply(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatReply
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletion(BaseModel):

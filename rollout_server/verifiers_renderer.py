@@ -28,7 +28,7 @@ from renderers.base import (
 from renderers.configs import DefaultRendererConfig
 from renderers.default import DefaultRenderer
 
-from rollout_server.episodes import TOOL_CALL, TOOLS_PREAMBLE
+from rollout_server.episodes import TOOL_CALL, TOOLS_PREAMBLE, tool_call_text
 
 # Probe contents no template writes itself (Unicode private-use characters around a name).
 _QUESTION, _REPLY = "\ue000tandem probe question\ue001", "\ue000tandem probe reply\ue001"
@@ -66,10 +66,7 @@ class BridgeRenderer(DefaultRenderer):
             calls = m.pop("tool_calls", None) or []
             if m.get("role") == "assistant" and calls:
                 text = "".join(
-                    "<tool_call>"
-                    + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)})
-                    + "</tool_call>"
-                    for c in calls
+                    tool_call_text(c["function"]["name"], c["function"].get("arguments")) for c in calls
                 )
                 m["content"] = (m.get("content") or "") + text
             out.append(m)
@@ -183,16 +180,6 @@ class BridgeRenderer(DefaultRenderer):
 
 
 _UNCLOSED = ToolCallParseStatus.UNCLOSED_BLOCK
-
-
-def _arguments(call: dict) -> dict:
-    arguments = call["function"].get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return {"raw": arguments}
-    return arguments
 
 
 def _tool_call(body: str) -> ParsedToolCall:

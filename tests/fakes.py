@@ -18,7 +18,7 @@ PROBLEMS = [Problem(f"arith-train-{i}", f"What is {i} + 1?", "3") for i in range
 
 
 class FakeTokenizer:
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, **ignored):  # (tools: no place)
         return [1] + [2 + ord(ch) % 90 for m in messages for ch in m["content"]]
 
     def encode(self, text):

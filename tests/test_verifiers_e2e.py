@@ -104,6 +104,7 @@ TOOL_TASKSET = [
     "--env.kind=verifiers",
     '--env.verifiers={"taskset": {"id": "my_calculator"}}',
     "--env.verifiers_limit=200",
+    "--env.verifiers_eval=8",
 ]
 # (a reply cut at the token limit right after its call gets the close the template writes: <|im_end|>)
 TOOL_TURN = re.compile(
@@ -120,7 +121,8 @@ def test_a_verifiers_taskset_with_a_function_tool_plays_its_tool_server_s_result
     turn (at most 12 groups: about 1 episode in 6 makes a call that parses, so 96 without one would be a
     chance of ~1e-7). Each tool turn is masked out, holds what the tool server answered for the call the
     model wrote (the product, or the library's error for another name), and every model token re-scores to
-    its sampler log-prob."""
+    its sampler log-prob. Then learner.evaluate plays two held-out tasks through the library's evaluation
+    client, which offers the tool through the server's OpenAI API (chat completions with `tools`)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -154,9 +156,18 @@ def test_a_verifiers_taskset_with_a_function_tool_plays_its_tool_server_s_result
             for g, c, _, _ in tool_turns
         }
         text = httpx.get(f"{client.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+        cmd = [
+            sys.executable, "-m", "learner.evaluate", "--config", "deploy/configs/cpu.toml", *TOOL_TASKSET,
+            f"--learner.server_urls={client.url}", "--limit=2", f"--out={tmp_path / 'eval.json'}",
+        ]  # fmt: skip
+        evaluated = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     finally:
         client.close()
         server.stop()
+    # evaluation: the library's evaluation client offers the tool through the server's OpenAI API
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["problems"] == 2 and result["failed"] == 0 and result["rewards"].keys() == {"solved"}
     assert tool_turns, f"no episode with a tool turn in {len(groups)} groups"
     print(f"{len(tool_turns)} tool turns in {len(groups)} groups")
     for _, c, before, turn in tool_turns:

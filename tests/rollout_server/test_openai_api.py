@@ -203,8 +203,14 @@ def test_errors_use_openai_schema_and_name_the_field(tmp_path):
         )
         assert ok.choices[0].text == FIVE
         with pytest.raises(openai.BadRequestError) as e:
-            sdk.chat.completions.create(model="base", messages=[{"role": "tool", "content": "x"}])
+            sdk.chat.completions.create(model="base", messages=[{"role": "user", "content": None}])
         assert e.value.body["param"].startswith("messages.0")
+        assert "a user message needs content" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.chat.completions.create(
+                model="base", messages=[{"role": "user", "content": "x"}], tool_choice="required"
+            )
+        assert e.value.body["param"] == "tool_choice" and "only 'auto' or 'none'" in e.value.body["message"]
         with pytest.raises(openai.BadRequestError) as e:
             sdk.chat.completions.create(
                 model="base", messages=[{"role": "user", "content": "x"}], top_logprobs=2
@@ -281,3 +287,107 @@ def test_an_engine_holding_one_version_runs_all_requests_for_another_version_tog
         backend.peak_streaming = 0
         _sdk(c).completions.create(model="latest", prompt="hi", n=6, max_tokens=5)  # the served version
         assert backend.peak_streaming == 2
+
+
+MULTIPLY = {
+    "type": "function",
+    "function": {"name": "multiply", "description": "Multiply.", "parameters": {"type": "object"}},
+}
+
+
+def test_chat_completions_offer_tools_and_take_back_a_conversation_with_calls(tmp_path):
+    """tools: described where the template has no place for them (the fake's has none) as env.kind = "tools"
+    does; an assistant's tool_calls and a tool's result come back into the prompt as the model wrote and
+    read them; tool_choice 'none' offers nothing; streamed, the same reply whole (a call is parsed from all
+    of its text)."""
+    import json
+
+    from rollout_server.episodes import TOOLS_PREAMBLE
+
+    backend = FakeBackend()
+    call = {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 2, "b": 3}'}}
+    call["index"] = 0  # what the SDK's stream accumulator keeps of a streamed call, and sends back
+    messages = [
+        {"role": "user", "content": "2*3?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "6"},
+    ]
+    with TestClient(fake_app(tmp_path, backend)) as c:
+        sdk = _sdk(c)
+        out = sdk.chat.completions.create(model="base", messages=messages, tools=[MULTIPLY], max_tokens=3)
+        described = "\n".join([TOOLS_PREAMBLE, json.dumps(MULTIPLY["function"])])
+        as_written = [
+            {"role": "user", "content": "2*3?"},
+            {
+                "role": "assistant",
+                "content": '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>',
+            },
+            {"role": "tool", "content": "6"},
+        ]
+        assert backend.texts[-1][0] == chat_prompt_ids(
+            FakeTokenizer(), [{"role": "system", "content": described}, *as_written]
+        )
+        assert out.choices[0].message.content == "uvw" and out.choices[0].message.tool_calls is None
+        sdk.chat.completions.create(model="base", messages=messages, tools=[MULTIPLY], tool_choice="none")
+        assert backend.texts[-1][0] == chat_prompt_ids(FakeTokenizer(), as_written)  # offered nothing
+        streamed = list(
+            sdk.chat.completions.create(
+                model="base", messages=messages, tools=[MULTIPLY], stream=True, max_tokens=3
+            )
+        )
+        assert streamed[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == "uvw"
+        assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_a_reply_s_tool_call_blocks_become_openai_tool_calls():
+    import json
+
+    from rollout_server.openai_api import reply
+
+    made = reply(
+        'Let me. <tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>', [MULTIPLY]
+    )
+    assert made.content == "Let me. "
+    [call] = made.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function",
+        "multiply",
+        {"a": 2, "b": 3},
+    )
+    assert call.id.startswith("call_")
+    assert reply('<tool_call>{"name": "multiply"}</tool_call>', [MULTIPLY]).content is None
+    assert reply("<tool_call>{nope</tool_call>", [MULTIPLY]).content == "<tool_call>{nope</tool_call>"  # text
+    assert reply('<tool_call>{"name": "m"}</tool_call>', []).tool_calls is None  # no tools offered: text
+
+
+def test_a_reply_with_a_tool_call_comes_back_as_openai_writes_it_streamed_or_not(tmp_path, monkeypatch):
+    from rollout_server import openai_api
+    from rollout_server.openai_schema import CalledFunction, ChatReply, ToolCall
+
+    made = ChatReply(
+        content=None,
+        tool_calls=[ToolCall(id="call_1", function=CalledFunction(name="multiply", arguments='{"a": 2}'))],
+    )
+    monkeypatch.setattr(openai_api, "reply", lambda text, tools: made if tools else ChatReply(content=text))
+    with TestClient(fake_app(tmp_path, FakeBackend())) as c:
+        sdk = _sdk(c)
+        messages = [{"role": "user", "content": "2*3?"}]
+        out = sdk.chat.completions.create(model="base", messages=messages, tools=[MULTIPLY], max_tokens=3)
+        [choice] = out.choices
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [(t.id, t.function.name, t.function.arguments) for t in choice.message.tool_calls] == [
+            ("call_1", "multiply", '{"a": 2}')
+        ]
+        chunks = list(
+            sdk.chat.completions.create(
+                model="base", messages=messages, tools=[MULTIPLY], max_tokens=3, stream=True
+            )
+        )
+        deltas = [ch.choices[0].delta for ch in chunks]
+        assert deltas[0].role == "assistant" and not any(d.content for d in deltas)
+        [calls] = [d.tool_calls for d in deltas if d.tool_calls]
+        assert [(t.index, t.id, t.function.name, t.function.arguments) for t in calls] == [
+            (0, "call_1", "multiply", '{"a": 2}')
+        ]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
