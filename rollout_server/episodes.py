@@ -203,13 +203,17 @@ def tools_prompt_ids(tokenizer, conversation: list[dict], schemas: list[dict]) -
     with_tools = _render(tokenizer, conversation, True, tools=schemas)
     if with_tools != _render(tokenizer, conversation, True):
         return with_tools
-    described = "\n".join([TOOLS_PREAMBLE, *(json.dumps(s["function"]) for s in schemas)])
+    return chat_prompt_ids(tokenizer, tools_described(conversation, schemas))
+
+
+def tools_described(conversation: list[dict], schemas: list[dict]) -> list[dict]:
+    """The conversation with the tools described in its system message (one added where it has none), in
+    the format parse_tool_calls reads: for a chat template that has no place for tools."""
+    described = "\n".join([TOOLS_PREAMBLE, *(json.dumps(s.get("function", s)) for s in schemas)])
     if conversation and conversation[0]["role"] == "system":
-        system = {"role": "system", "content": conversation[0]["content"] + "\n\n" + described}
-        conversation = [system, *conversation[1:]]
-    else:
-        conversation = [{"role": "system", "content": described}, *conversation]
-    return chat_prompt_ids(tokenizer, conversation)
+        system = {**conversation[0], "content": (conversation[0].get("content") or "") + "\n\n" + described}
+        return [system, *conversation[1:]]
+    return [{"role": "system", "content": described}, *conversation]
 
 
 class Environment:

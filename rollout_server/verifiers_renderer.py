@@ -28,7 +28,7 @@ from renderers.base import (
 from renderers.configs import DefaultRendererConfig
 from renderers.default import DefaultRenderer
 
-from rollout_server.episodes import TOOL_CALL, TOOLS_PREAMBLE, tool_call_text
+from rollout_server.episodes import TOOL_CALL, tool_call_text, tools_described
 
 # Probe contents no template writes itself (Unicode private-use characters around a name).
 _QUESTION, _REPLY = "\ue000tandem probe question\ue001", "\ue000tandem probe reply\ue001"
@@ -49,8 +49,9 @@ class BridgeRenderer(DefaultRenderer):
 
     def _text_tools(self, tools) -> bool:
         """Whether tandem describes `tools` itself: the chat template ignores them (SmolLM2's does) and no
-        tool parser of the library is configured. The description and the call format are env.kind =
-        "tools"' (rollout_server/episodes.py): <tool_call>{"name": ..., "arguments": ...}</tool_call>."""
+        tool parser of the library is configured. The description and the call format are those of
+        env.kind = "tools" (rollout_server/episodes.py): <tool_call>{"name": ..., "arguments": ...}
+        </tool_call>."""
         if not tools or self._tool_parser is not None:
             return False
         probe = [{"role": "user", "content": _QUESTION}]
@@ -59,7 +60,6 @@ class BridgeRenderer(DefaultRenderer):
     def _with_tools(self, messages: list, tools) -> list:
         """The conversation as the template renders it with tandem's tools description in the system message,
         and each assistant tool call written back as the text the model samples."""
-        described = "\n".join([TOOLS_PREAMBLE, *(json.dumps(t.get("function", t)) for t in tools)])
         out = []
         for m in messages:
             m = dict(m)
@@ -70,9 +70,7 @@ class BridgeRenderer(DefaultRenderer):
                 )
                 m["content"] = (m.get("content") or "") + text
             out.append(m)
-        if out and out[0].get("role") == "system":
-            return [{**out[0], "content": f"{out[0].get('content') or ''}\n\n{described}"}, *out[1:]]
-        return [{"role": "system", "content": described}, *out]
+        return tools_described(out, tools)
 
     def render(self, messages: list, *, tools=None, add_generation_prompt: bool = False) -> RenderedTokens:
         if not self._text_tools(tools):
