@@ -164,20 +164,38 @@ def tool_call_text(name: str, arguments: dict | str | None) -> str:
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments or {}}) + "</tool_call>"
 
 
+class BadToolCall(ValueError):
+    """A <tool_call> block that is not a call; its message is for the model, `kind` says what is wrong:
+    "json" (not JSON), "object" (JSON, not an object), "name" (no string name) or "arguments" (not an
+    object)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def read_tool_call(body: str) -> dict:
+    """One <tool_call> block's body as {"name", "arguments"}, or BadToolCall: the one definition of a valid
+    call, for env.kind = "tools", the OpenAI API and the verifiers renderer."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        raise BadToolCall("json", f"a tool call must hold JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        kind = "name" if isinstance(call, dict) else "object"
+        raise BadToolCall(kind, 'a tool call is {"name": <tool name>, "arguments": {...}}')
+    arguments = call.get("arguments", {})
+    if not isinstance(arguments, dict):
+        raise BadToolCall("arguments", f"the arguments of '{call['name']}' must be a JSON object")
+    return {"name": call["name"], "arguments": arguments}
+
+
 def parse_tool_calls(text: str) -> list[dict] | str:
     """The calls in a model turn, [{"name", "arguments"}], or an error message for the model."""
-    calls = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as e:
-            return f"error: a tool call must hold JSON ({e.msg} at character {e.pos})"
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            return 'error: a tool call is {"name": <tool name>, "arguments": {...}}'
-        arguments = call.get("arguments", {})
-        if not isinstance(arguments, dict):
-            return f"error: the arguments of '{call['name']}' must be a JSON object"
-        calls.append({"name": call["name"], "arguments": arguments})
+    try:
+        calls = [read_tool_call(body) for body in TOOL_CALL.findall(text)]
+    except BadToolCall as e:
+        return f"error: {e}"
     if not calls and "<tool_call>" in text:
         return "error: a tool call opened with <tool_call> must close with </tool_call>"
     return calls

@@ -251,6 +251,15 @@ def reply(text: str, tools: list[dict]) -> ChatReply:
     )
 
 
+def replies(choices: list[Choice], tools: list[dict]) -> list[tuple[ChatReply, str]]:
+    """Each choice's message and finish_reason ("tool_calls" when the reply holds calls)."""
+    out = []
+    for c in choices:
+        m = reply(c.text, tools)
+        out.append((m, "tool_calls" if m.tool_calls else c.finish_reason or "length"))
+    return out
+
+
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
 async def chat_completions(req: ChatRequest, s=Depends(server_of)):
     adapter, model = resolve(s, req.model)
@@ -294,19 +303,13 @@ async def chat_completions(req: ChatRequest, s=Depends(server_of)):
 
     if not req.stream:
         choices = await collect(s, streams)
-        messages = [reply(c.text, tools) for c in choices]
         return ChatCompletion(
             id=cid,
             created=created,
             model=model,
             choices=[
-                ChatChoice(
-                    index=i,
-                    message=m,
-                    logprobs=logprobs_of(c),
-                    finish_reason="tool_calls" if m.tool_calls else c.finish_reason or "length",
-                )
-                for i, (c, m) in enumerate(zip(choices, messages, strict=True))
+                ChatChoice(index=i, message=m, logprobs=logprobs_of(c), finish_reason=finish)
+                for i, (c, (m, finish)) in enumerate(zip(choices, replies(choices, tools), strict=True))
             ],
             usage=_usage([prompt], choices),
         )
@@ -328,7 +331,7 @@ async def chat_completions(req: ChatRequest, s=Depends(server_of)):
         """With tools, each reply whole (a call is parsed from all of its text): its content, then its
         calls as tool_calls deltas, then its finish_reason."""
         choices = await collect(s, streams)
-        for i, (c, m) in enumerate(zip(choices, [reply(c.text, tools) for c in choices], strict=True)):
+        for i, (c, (m, finish)) in enumerate(zip(choices, replies(choices, tools), strict=True)):
             yield _sse(chunk(i, {"role": "assistant", "content": ""}))
             if m.content:
                 lp = logprobs_of(c)
@@ -336,7 +339,7 @@ async def chat_completions(req: ChatRequest, s=Depends(server_of)):
             if m.tool_calls:
                 calls = [{"index": k, **call.model_dump()} for k, call in enumerate(m.tool_calls)]
                 yield _sse(chunk(i, {"tool_calls": calls}))
-            yield _sse(chunk(i, {}, finish="tool_calls" if m.tool_calls else c.finish_reason or "length"))
+            yield _sse(chunk(i, {}, finish=finish))
         if req.stream_options and req.stream_options.include_usage:
             yield _sse(chunk(-1, {}, usage=_usage([prompt], choices)))
 

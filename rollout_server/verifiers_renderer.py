@@ -28,11 +28,11 @@ from renderers.base import (
 from renderers.configs import DefaultRendererConfig
 from renderers.default import DefaultRenderer
 
-from rollout_server.episodes import TOOL_CALL, tool_call_text, tools_described
+from rollout_server.episodes import TOOL_CALL, BadToolCall, read_tool_call, tool_call_text, tools_described
 
 # Probe contents no template writes itself (Unicode private-use characters around a name).
 _QUESTION, _REPLY = "\ue000tandem probe question\ue001", "\ue000tandem probe reply\ue001"
-_BRIDGEABLE = ("user", "tool", "system")
+_BRIDGEABLE = ("user", "tool")  # the roles the library bridges
 
 
 class BridgeRendererConfig(DefaultRendererConfig):
@@ -41,6 +41,10 @@ class BridgeRendererConfig(DefaultRendererConfig):
 
 class BridgeRenderer(DefaultRenderer):
     config_class = BridgeRendererConfig
+
+    def __init__(self, tokenizer, config: BridgeRendererConfig | None = None):
+        super().__init__(tokenizer, config)
+        self._described: dict[str, bool] = {}  # _text_tools' answers by the tools' JSON
 
     # -- function tools on a template that has no place for them -------------------------------------------
     @property
@@ -54,8 +58,11 @@ class BridgeRenderer(DefaultRenderer):
         </tool_call>."""
         if not tools or self._tool_parser is not None:
             return False
-        probe = [{"role": "user", "content": _QUESTION}]
-        return self._text(probe, tools, True) == self._text(probe, None, True)
+        key = json.dumps(tools, sort_keys=True, default=str)
+        if key not in self._described:  # two probe renders, once per tool set rather than once per turn
+            probe = [{"role": "user", "content": _QUESTION}]
+            self._described[key] = self._text(probe, tools, True) == self._text(probe, None, True)
+        return self._described[key]
 
     def _with_tools(self, messages: list, tools) -> list:
         """The conversation as the template renders it with tandem's tools description in the system message,
@@ -99,7 +106,11 @@ class BridgeRenderer(DefaultRenderer):
         content, _, _ = parsed.content.partition("<tool_call>")
         calls = [_tool_call(body) for body in TOOL_CALL.findall(parsed.content)]
         if parsed.content.count("<tool_call>") > len(calls):
-            calls.append(ParsedToolCall(raw=parsed.content.rpartition("<tool_call>")[2], status=_UNCLOSED))
+            calls.append(
+                ParsedToolCall(
+                    raw=parsed.content.rpartition("<tool_call>")[2], status=ToolCallParseStatus.UNCLOSED_BLOCK
+                )
+            )
         return ParsedResponse(
             content=content,
             reasoning_content=parsed.reasoning_content,
@@ -177,17 +188,19 @@ class BridgeRenderer(DefaultRenderer):
         )
 
 
-_UNCLOSED = ToolCallParseStatus.UNCLOSED_BLOCK
+# BadToolCall's kinds as the library's parse statuses
+_STATUS = {
+    "json": ToolCallParseStatus.INVALID_JSON,
+    "object": ToolCallParseStatus.MALFORMED_STRUCTURE,
+    "name": ToolCallParseStatus.MISSING_NAME,
+    "arguments": ToolCallParseStatus.MALFORMED_STRUCTURE,
+}
 
 
 def _tool_call(body: str) -> ParsedToolCall:
     """One <tool_call> block's body as the library's parse record."""
     try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
-        return ParsedToolCall(raw=body, status=ToolCallParseStatus.INVALID_JSON)
-    if not isinstance(call, dict) or not isinstance(call.get("arguments", {}), dict):
-        return ParsedToolCall(raw=body, status=ToolCallParseStatus.MALFORMED_STRUCTURE)
-    if not isinstance(call.get("name"), str):
-        return ParsedToolCall(raw=body, status=ToolCallParseStatus.MISSING_NAME)
-    return ParsedToolCall(raw=body, name=call["name"], arguments=call.get("arguments", {}))
+        call = read_tool_call(body)
+    except BadToolCall as e:
+        return ParsedToolCall(raw=body, status=_STATUS[e.kind])
+    return ParsedToolCall(raw=body, name=call["name"], arguments=call["arguments"])

@@ -196,10 +196,16 @@ def test_tools_a_template_ignores_are_described_in_the_system_message_and_calls_
     [call] = parsed.tool_calls
     assert (call.name, call.arguments, call.status) == ("multiply", {"a": 12, "b": 34}, Status.OK)
     bad = renderer.parse_response(
-        encode("<tool_call>{x}</tool_call><tool_call>[1]</tool_call><tool_call>{"), tools=TOOLS
+        encode(
+            "<tool_call>{x}</tool_call><tool_call>[1]</tool_call><tool_call>{}</tool_call>"
+            '<tool_call>{"name": "multiply", "arguments": 3}</tool_call><tool_call>{'
+        ),
+        tools=TOOLS,
     )
     assert [c.status for c in bad.tool_calls] == [
         Status.INVALID_JSON,
+        Status.MALFORMED_STRUCTURE,
+        Status.MISSING_NAME,
         Status.MALFORMED_STRUCTURE,
         Status.UNCLOSED_BLOCK,
     ]
