@@ -97,6 +97,14 @@ def load_queue(path: Path, model: str) -> tuple[list[ScoredGroup], dict[str, lis
     return ready, leases
 
 
+# A verifiers environment whose every episode failed this many batches in a row stops the server.
+FAILING_BATCHES = 3
+
+
+class EnvironmentFailing(RuntimeError):
+    """The environment failed every episode of FAILING_BATCHES batches in a row."""
+
+
 class Producer:
     def __init__(
         self,
@@ -133,6 +141,7 @@ class Producer:
         self._awake.set()
         self._batch: asyncio.Task | None = None
         self._halted = False  # server shutdown: no new batch
+        self._failing_batches = 0  # verifiers batches in a row in which every episode failed
         # Episodes of several turns: the environment, and the tools' schemas the prompts describe.
         self.env, self._tools = None, []
         if cfg.env.turns:
@@ -301,6 +310,7 @@ class Producer:
         played = await asyncio.gather(
             *(self.verifiers.play(p.metadata["verifiers_task"], g, version) for _, p in batch)
         )
+        self._check_environment(played)
         decode, groups = self.backend.tokenizer.decode, []
         for (epoch, problem), episodes_ in zip(batch, played, strict=True):
             why = next((e for e in episodes_ if isinstance(e, str)), None)
@@ -320,6 +330,23 @@ class Producer:
             groups.append(_group(epoch, problem, ids, trajectories, version, scores, totals))
         self.metrics.observe_batch(groups, time.perf_counter() - t0)
         return groups
+
+    def _check_environment(self, played: list[list]) -> None:
+        """Stop (EnvironmentFailing: the server exits 1 with the reason) once every episode of
+        FAILING_BATCHES batches in a row failed or could not be trained on: an environment that fails
+        every time (a tool server that does not start, a judge that refuses every request) would otherwise
+        feed the learner groups of zeros for as long as the run lasts. One good episode resets the count."""
+        reasons = [e if isinstance(e, str) else e.failed for episodes_ in played for e in episodes_]
+        if not reasons or not all(reasons):
+            self._failing_batches = 0
+            return
+        self._failing_batches += 1
+        if self._failing_batches >= FAILING_BATCHES:
+            raise EnvironmentFailing(
+                f"env.kind = 'verifiers': every episode of the last {FAILING_BATCHES} batches failed; "
+                f"the last batch's first reason: {reasons[0]}"
+            )
+        log.warning("every episode of this batch failed (%d in a row): %s", self._failing_batches, reasons[0])
 
     async def play(
         self, rows: list[tuple], samples, adapter, temperature: float, max_new_tokens: int

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from rollout_server.adapters import AdapterRejected, AdapterStore
 from rollout_server.policy import Policy
 from shared import protocol as P
-from shared.datasets import chat_prompt_ids, epoch_order
+from shared.datasets import Problem, chat_prompt_ids, epoch_order
 from tests.fakes import PROBLEMS, FakeBackend, FakeTokenizer, fake_app, tiny_adapter
 from tests.helpers import non_finite_bodies, strict_json
 
@@ -301,3 +301,51 @@ def test_non_finite_numbers_in_any_json_body_get_a_4xx_in_json_never_a_500(tmp_p
         assert r.status_code == 422 and "temperature" in r.text, r.text  # refused, not sampled with
         assert c.get("/health").status_code == 200
     assert len(bodies) >= 30  # pull, generate, score, the OpenAI routes: a schema that lost them fails here
+
+
+def test_an_environment_that_fails_every_episode_stops_the_server_with_the_reason(tmp_path, monkeypatch):
+    """env.kind = "verifiers": batches in which every episode failed are trained as zeros at first, but
+    FAILING_BATCHES of them in a row stop the server (503, then exit 1) with the environment's reason; one
+    good episode in a batch resets the count."""
+    from rollout_server import app as app_module
+    from rollout_server.producer import FAILING_BATCHES
+    from rollout_server.verifiers_runner import Played
+
+    def episode(failed):
+        return Played([1, 2], [3], [1], [-0.5], "stop", "3", {"correct": 1.0}, 1.0, failed)
+
+    class Runner:
+        """Batch by batch: one good episode in the second batch, then nothing but failures."""
+
+        def __init__(self, *args):
+            self.batches = 0
+
+        async def play(self, task_index, n, version):
+            self.batches += 0.5  # two prompts a batch
+            good = self.batches == 1.5  # the second batch's first task
+            return [episode(None if good and i == 0 else "HarnessError: no tool server") for i in range(n)]
+
+        async def close(self): ...
+
+    monkeypatch.setattr(app_module, "VerifiersRunner", Runner)
+    problems = [Problem(f"t-{i}", f"task {i}", "", metadata={"verifiers_task": i}) for i in range(20)]
+    fatal = []
+    app = fake_app(
+        tmp_path,
+        FakeBackend(),
+        on_fatal=lambda: fatal.append(1),
+        problems=problems,
+        env={"kind": "verifiers", "verifiers": {"taskset": {"id": "t"}}},
+        queue_size=20,
+    )
+    with TestClient(app) as c:
+        deadline = time.monotonic() + 30
+        while not fatal and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = c.get("/health")
+        assert fatal and r.status_code == 503
+        assert f"every episode of the last {FAILING_BATCHES} batches failed" in r.text
+        assert "HarnessError: no tool server" in r.text
+        # the batch with a good episode reset the count: 1 + 1 + FAILING_BATCHES batches were played
+        queued = c.app.state.server.queue.depth
+        assert queued == 2 * (2 + FAILING_BATCHES - 1)
