@@ -7,11 +7,11 @@ held-out success before and after a short run, the training reward per step, and
 
 --task two_turn_sums trains on examples/two_turn_sums.py, a taskset of the `verifiers` library played by
 its own harness (env.kind = "verifiers"), and evaluates on its 100 held-out tasks the same way: success is
-its `correct` reward (the second answer right). --task syllogism / number_format / ransom_note / chain_sum /
-basic_arithmetic trains on that reasoning-gym task (data.task = "reasoning_gym", small configs,
-data.reasoning_gym.answer_prefill: SmolLM2 never writes the <answer> tag itself) and evaluates on its
-held-out split, scored by the task's own score_answer (correct: a score of 1), next to what always giving
-the split's most common answer scores.
+its `correct` reward (the second answer right). --task basic_arithmetic / syllogism / number_format /
+ransom_note / chain_sum / products / simple_equations / lcm trains on that reasoning-gym task (data.task =
+"reasoning_gym", small configs, data.reasoning_gym.answer_prefill: SmolLM2 never writes the <answer> tag
+itself) and evaluates on its held-out split, scored by the task's own score_answer (correct: a score of
+1), next to what always giving the split's most common answer scores.
 
 Each seed is `scripts/demo.py` (vLLM server with merged versions, DeepSpeed learner, deploy/configs/cpu.toml,
 bf16 where the CPU computes in it) on the calculator task as tool-use episodes: the model may call
@@ -61,6 +61,9 @@ VERIFIERS = [
 REASONING_GYM = {
     "chain_sum": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, 2000),
     "basic_arithmetic": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 200),
+    "products": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 40),  # of 100 pairs
+    "simple_equations": ({"min_terms": 2, "max_terms": 2, "min_value": 1, "max_value": 9}, 2000),
+    "lcm": ({"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 20}, 200),
     "syllogism": ({}, 2000),  # Yes / No
     "ransom_note": ({}, 2000),  # True / False
     "number_format": ({"min_num_candidates": 2, "max_num_candidates": 2}, 2000),  # the larger or smaller

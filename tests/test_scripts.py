@@ -50,6 +50,7 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
         "sampling_check.py",
         "soak.py",
         "gpu_kit.py",
+        "profile_decode.py",
     ],
 )
 def test_benchmark_help(script):
