@@ -126,9 +126,11 @@ class TandemConfig(Section):
             # (docs/benchmarks.md §12: it kept more held-out accuracy than plain GRPO at every staleness)
             g.old_logprobs, g.tis_cap = "recompute", STALE_TIS_CAP
         if self.data.task == "reasoning_gym" and "reasoning_gym" not in self.reward.functions:
+            from shared.rewards import BUILTINS  # (it imports this module)
+
             if "functions" not in self.reward.model_fields_set:
                 self.reward.functions = ["reasoning_gym"]  # the task's own score_answer, by default
-            elif all(f in ("gsm8k", "math", "r1_format") for f in self.reward.functions):
+            elif all(f in BUILTINS for f in self.reward.functions):  # built-ins of other answer formats
                 raise ValueError(
                     f"reward.functions = {self.reward.functions} cannot read reasoning-gym's answers (they "
                     "come in <answer> tags, scored by each task's score_answer): use ['reasoning_gym']"

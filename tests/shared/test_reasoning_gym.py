@@ -87,8 +87,13 @@ def test_the_task_chooses_its_reward_and_a_verifier_that_cannot_read_it_is_an_er
         "deploy/configs/cpu.toml", ["data.task=reasoning_gym", "data.reasoning_gym.task=leg_counting"]
     )
     assert cfg.reward.functions == ["reasoning_gym"]
-    with pytest.raises(ValueError, match=r"cannot read reasoning-gym's answers"):
-        TandemConfig(data=TASK, reward={"functions": ["gsm8k"]})
+    for builtins in (["gsm8k"], ["math", "r1_format"]):
+        with pytest.raises(ValueError, match=r"cannot read reasoning-gym's answers"):
+            TandemConfig(data=TASK, reward={"functions": builtins})
+    mine = TandemConfig(data=TASK, reward={"functions": ["gsm8k", "examples/calculator.py:solved"]})
+    assert (
+        mine.reward.functions[1] == "examples/calculator.py:solved"
+    )  # a function of the user's may read them
     assert TandemConfig(data=TASK, reward={"functions": ["reasoning_gym", "r1_format"]}).reward.functions
 
 
