@@ -28,7 +28,7 @@ from shared.process_config import (  # noqa: F401 (the sections are imported fro
     ServerConfig,
     VllmConfig,
 )
-from shared.task_config import DataConfig, EnvConfig, RewardConfig  # noqa: F401
+from shared.task_config import BUILTIN_REWARDS, DataConfig, EnvConfig, RewardConfig  # noqa: F401
 
 
 def native_dtype(cpuinfo: str | None = None) -> str:
@@ -126,11 +126,9 @@ class TandemConfig(Section):
             # (docs/benchmarks.md §12: it kept more held-out accuracy than plain GRPO at every staleness)
             g.old_logprobs, g.tis_cap = "recompute", STALE_TIS_CAP
         if self.data.task == "reasoning_gym" and "reasoning_gym" not in self.reward.functions:
-            from shared.rewards import BUILTINS  # (it imports this module)
-
             if "functions" not in self.reward.model_fields_set:
                 self.reward.functions = ["reasoning_gym"]  # the task's own score_answer, by default
-            elif all(f in BUILTINS for f in self.reward.functions):  # built-ins of other answer formats
+            elif all(f in BUILTIN_REWARDS for f in self.reward.functions):  # other answer formats
                 raise ValueError(
                     f"reward.functions = {self.reward.functions} cannot read reasoning-gym's answers (they "
                     "come in <answer> tags, scored by each task's score_answer): use ['reasoning_gym']"

@@ -131,6 +131,10 @@ class DataConfig(Section):
         return self
 
 
+# The built-in reward functions' names (shared/rewards.py's BUILTINS holds them, in this order)
+BUILTIN_REWARDS = ("gsm8k", "math", "r1_format", "reasoning_gym")
+
+
 class RewardConfig(Section):
     functions: list[str] = Field(
         default=["gsm8k"],

@@ -149,3 +149,10 @@ def test_the_reward_runs_in_the_workers_as_training_calls_it():
             await runner.close()
 
     assert [row["reasoning_gym"] for row in asyncio.run(score())] == [1.0, 0.0]
+
+
+def test_the_config_knows_the_built_in_rewards_the_server_has():
+    from shared.rewards import BUILTINS
+    from shared.task_config import BUILTIN_REWARDS
+
+    assert tuple(BUILTINS) == BUILTIN_REWARDS
