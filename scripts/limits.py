@@ -117,15 +117,22 @@ def generation_floor(groups: list[dict], shapes: Shapes, rates: Rates, bytes_per
             lengths.append(len(c["token_ids"]))
             prompts.append(p)
     seconds = prefill / rates.flops
-    weights = (shapes.layer_weights + shapes.head_weights) * bytes_per
     for t in range(max(lengths, default=0)):
         live = [p + t for p, n in zip(prompts, lengths, strict=True) if n > t]
-        read = weights + sum(shapes.kv_bytes(ctx, bytes_per) for ctx in live)
-        compute = sum(
-            2.0 * (shapes.layer_weights + shapes.head_weights) + shapes.attention_flops(ctx) for ctx in live
-        )
-        seconds += max(read / rates.bandwidth, compute / rates.flops)
+        seconds += max(decode_step_floor(live, shapes, rates, bytes_per))
     return seconds
+
+
+def decode_step_floor(
+    contexts: list[int], shapes: Shapes, rates: Rates, bytes_per: int
+) -> tuple[float, float]:
+    """Seconds of one decode step over live sequences of these context lengths: (compute, memory). Compute:
+    2 FLOPs per weight per sequence plus its attention, at the matmul rate; memory: the weights read once
+    plus each sequence's KV cache, at the copy bandwidth. The step's floor is the larger."""
+    weights = shapes.layer_weights + shapes.head_weights
+    compute = sum(2.0 * weights + shapes.attention_flops(ctx) for ctx in contexts) / rates.flops
+    read = (weights * bytes_per + sum(shapes.kv_bytes(ctx, bytes_per) for ctx in contexts)) / rates.bandwidth
+    return compute, read
 
 
 def training_floor(groups: list[dict], shapes: Shapes, rates: Rates, forwards: float) -> float:

@@ -67,7 +67,7 @@ def main() -> int:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
-    from limits import Shapes, measure
+    from limits import Shapes, decode_step_floor, measure
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -110,10 +110,8 @@ def main() -> int:
     shapes = Shapes.of(model)
     seqs = args.prompts * args.group
     bytes_per = 2 if dtype == "bfloat16" else 4
-    weights = shapes.layer_weights + shapes.head_weights
     context = len(batch[0]["prompt_token_ids"]) + args.new_tokens // 2
-    compute = seqs * (2.0 * weights + shapes.attention_flops(context)) / rates.flops
-    read = (weights * bytes_per + seqs * shapes.kv_bytes(context, bytes_per)) / rates.bandwidth
+    compute, read = decode_step_floor([context] * seqs, shapes, rates, bytes_per)
     floor = max(compute, read)
 
     print(f"machine: {os.cpu_count()} CPUs visible, torch threads {torch.get_num_threads()}; {rates}")

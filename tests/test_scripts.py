@@ -177,10 +177,8 @@ def test_the_limit_model_counts_a_step_by_hand():
     sys.modules["limits"] = limits  # its dataclasses look their module up
     spec.loader.exec_module(limits)
     shapes = limits.Shapes(d=2, inner=3, layers=1, heads=1, kv_heads=1, head_dim=2, vocab=5)
-    assert (shapes.layer_weights, shapes.head_weights) == (
-        2 * 4 + 8 + 18,
-        10,
-    )  # q,o 2x2; k,v 2x2; MLP 3x(2x3)
+    # q,o 2x2; k,v 2x2; MLP 3x(2x3)
+    assert (shapes.layer_weights, shapes.head_weights) == (2 * 4 + 8 + 18, 10)
     group = {"prompt_token_ids": [1, 2], "completions": [{"token_ids": [3]}, {"token_ids": [4, 5]}]}
     unit = limits.Rates(flops=1.0, bandwidth=1.0)
     # training: prompt 2*34*2 + attention 8*(0+1); completions 2*44*n + attention 8*ctx: 144 + 104 + 216
@@ -188,6 +186,7 @@ def test_the_limit_model_counts_a_step_by_hand():
     # generation: prefill 2*44*2 + 8 = 184; decode t=0: 2 live, compute 2*(88+16) = 208 > read 88+2*16;
     # t=1: 1 live at context 3, compute 88+24 = read 88+24 = 112
     assert limits.generation_floor([group], shapes, unit, bytes_per=2) == 184 + 208 + 112
+    assert limits.decode_step_floor([2, 2], shapes, unit, bytes_per=2) == (208, 88 + 2 * 16)
     cfg = {"grpo": {"beta": 0.04, "old_logprobs": "recompute"}}
     assert limits.forwards_per_step(cfg) == 4.0
     assert limits.forwards_per_step({"grpo": {"beta": 0.0, "old_logprobs": "sampler"}}) == 2.0

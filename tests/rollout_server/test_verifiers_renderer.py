@@ -130,9 +130,8 @@ def test_pieces_that_tokenize_differently_from_their_whole_are_not_bridged(token
 
 def test_env_renderer_names_a_library_renderer_or_a_class_and_says_so_in_one_line():
     assert verifiers_tasks.renderer_config(EnvConfig(renderer="auto")) is None
-    assert (
-        verifiers_tasks.renderer_config(EnvConfig(renderer="qwen3.5")).name == "qwen3.5"
-    )  # a name, dots and all
+    # a name, dots and all
+    assert verifiers_tasks.renderer_config(EnvConfig(renderer="qwen3.5")).name == "qwen3.5"
     assert verifiers_tasks.renderer_config(EnvConfig(renderer="llama-3")).name == "llama-3"
     with pytest.raises(ConfigError) as e:
         verifiers_tasks.renderer_config(EnvConfig(renderer="qwen"))

@@ -91,9 +91,8 @@ def test_the_task_chooses_its_reward_and_a_verifier_that_cannot_read_it_is_an_er
         with pytest.raises(ValueError, match=r"cannot read reasoning-gym's answers"):
             TandemConfig(data=TASK, reward={"functions": builtins})
     mine = TandemConfig(data=TASK, reward={"functions": ["gsm8k", "examples/calculator.py:solved"]})
-    assert (
-        mine.reward.functions[1] == "examples/calculator.py:solved"
-    )  # a function of the user's may read them
+    # a function of the user's may read them
+    assert mine.reward.functions[1] == "examples/calculator.py:solved"
     assert TandemConfig(data=TASK, reward={"functions": ["reasoning_gym", "r1_format"]}).reward.functions
 
 
