@@ -51,6 +51,7 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
         "soak.py",
         "gpu_kit.py",
         "profile_decode.py",
+        "profile_compile.py",
     ],
 )
 def test_benchmark_help(script):
