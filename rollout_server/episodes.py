@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,9 +152,9 @@ def as_messages(reply: Any) -> list[dict] | None:
     return None
 
 
-def tool_call_text(name: str, arguments: dict | str | None) -> str:
-    """A call as the model writes it (what parse_tool_calls reads); arguments as a dict or as OpenAI's JSON
-    string (one that is not a JSON object is kept as text under "raw")."""
+def call_arguments(arguments: dict | str | None) -> dict:
+    """A call's arguments as a dict, from a dict or OpenAI's JSON string (one that is not a JSON object is
+    kept as text under "raw")."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
@@ -161,7 +162,34 @@ def tool_call_text(name: str, arguments: dict | str | None) -> str:
             arguments = {"raw": arguments}
         if not isinstance(arguments, dict):
             arguments = {"raw": json.dumps(arguments)}
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments or {}}) + "</tool_call>"
+    return arguments or {}
+
+
+def tool_call_text(name: str, arguments: dict | str | None) -> str:
+    """A call as the model writes it (what parse_tool_calls reads), for a chat template that has no place
+    for calls (renders_tool_calls is false)."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": call_arguments(arguments)}) + "</tool_call>"
+
+
+_PROBE_CALL = "tandem_probe_call"
+_renders_calls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> renders_tool_calls
+
+
+def renders_tool_calls(tokenizer) -> bool:
+    """Whether the chat template writes an assistant message's structured `tool_calls` itself (Qwen's,
+    Llama 3's do; ChatML as SmolLM2 ships it does not): then a conversation's past calls go to it as they
+    are, and it writes them as its model was trained to read them. Probed once per tokenizer."""
+    if tokenizer not in _renders_calls:
+        call = {"type": "function", "function": {"name": _PROBE_CALL, "arguments": {"x": 1}}}
+        messages = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
+        try:
+            _renders_calls[tokenizer] = _PROBE_CALL in tokenizer.decode(_render(tokenizer, messages, False))
+        except Exception:  # a template that refuses the message has no place for it either
+            _renders_calls[tokenizer] = False
+    return _renders_calls[tokenizer]
 
 
 class BadToolCall(ValueError):

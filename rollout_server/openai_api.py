@@ -35,7 +35,7 @@ from pydantic import BaseModel
 
 from rollout_server.backend import GenerationAborted, Piece, TokenLogprob
 from rollout_server.deps import server_of
-from rollout_server.episodes import parse_tool_calls, tools_prompt_ids
+from rollout_server.episodes import parse_tool_calls, renders_tool_calls, tools_prompt_ids
 from rollout_server.evaluation import (
     Choice,
     check_length,
@@ -266,7 +266,8 @@ async def chat_completions(req: ChatRequest, s=Depends(server_of)):
     if req.top_logprobs is not None and not req.logprobs:
         raise OpenAIError(400, "top_logprobs needs logprobs = true", "top_logprobs")
     tools = req.tool_specs
-    conversation = [m.as_dict() for m in req.messages]
+    structured = any(m.tool_calls for m in req.messages) and renders_tool_calls(s.backend.tokenizer)
+    conversation = [m.as_dict(structured) for m in req.messages]
     if tools:  # described by the template, or in the system message in the format parse_tool_calls reads
         prompt = tools_prompt_ids(s.backend.tokenizer, conversation, tools)
     else:  # (a final assistant message gets a new turn after it, as vLLM's add_generation_prompt does)

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_server.backend import TextRequest
-from rollout_server.episodes import tool_call_text
+from rollout_server.episodes import call_arguments, tool_call_text
 
 PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 BASE = "base"
@@ -230,13 +230,25 @@ class ChatMessage(BaseModel):
             raise ValueError("tool_calls are an assistant message's")
         return self
 
-    def as_dict(self) -> dict[str, str]:
-        """The message as the chat template takes it: an assistant's calls written as the model writes them
-        (rollout_server/episodes.py), a tool message's result as its content."""
+    def as_dict(self, structured_calls: bool = False) -> dict:
+        """The message as the chat template takes it, a tool message's result as its content. An assistant's
+        calls: as structured `tool_calls` (arguments a dict) for a template that writes them itself
+        (`structured_calls`, episodes.renders_tool_calls), else written into its content as the model writes
+        them (rollout_server/episodes.py)."""
         content = self.content or ""
         text = content if isinstance(content, str) else "".join(p.text for p in content)
+        role = "system" if self.role == "developer" else self.role
+        if structured_calls and self.tool_calls:
+            calls = [
+                {
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": call_arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+            return {"role": role, "content": text, "tool_calls": calls}
         text += "".join(tool_call_text(c.function.name, c.function.arguments) for c in self.tool_calls or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        return {"role": role, "content": text}
 
 
 class ChatRequest(_Request):

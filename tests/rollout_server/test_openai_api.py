@@ -340,6 +340,59 @@ def test_chat_completions_offer_tools_and_take_back_a_conversation_with_calls(tm
         assert streamed[-1].choices[0].finish_reason == "length"
 
 
+class NativeToolsTokenizer(FakeTokenizer):
+    """Characters as tokens, and a template that writes tools and an assistant's structured tool_calls
+    itself, as Qwen's does (a call on lines of its own, its arguments an object)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools=None, **ignored):
+        import json
+
+        text = f"<tools>{json.dumps(tools)}</tools>" if tools else ""
+        for m in messages:
+            calls = [
+                {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                for c in m.get("tool_calls", [])
+            ]
+            text += f"<{m['role']}>{m['content']}" + "".join(
+                f"<tool_call>\n{json.dumps(c)}\n</tool_call>" for c in calls
+            )
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+    def encode(self, text):
+        return [ord(ch) for ch in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(map(chr, ids))
+
+    def __len__(self):
+        return 128
+
+
+def test_a_template_that_writes_tool_calls_gets_a_conversation_s_calls_structured(tmp_path):
+    """A chat template with a place for calls (Qwen's, Llama 3's) gets an assistant's tool_calls as they
+    are, arguments as an object, and writes them as its model reads them; SmolLM2's ChatML (the test
+    above) gets them written into the content in tandem's own form."""
+    from rollout_server.episodes import renders_tool_calls
+
+    backend = FakeBackend()
+    backend.tokenizer = NativeToolsTokenizer()
+    assert renders_tool_calls(backend.tokenizer) and not renders_tool_calls(FakeTokenizer())
+    call = {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 2, "b": 3}'}}
+    messages = [
+        {"role": "user", "content": "2*3?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "6"},
+    ]
+    with TestClient(fake_app(tmp_path, backend)) as c:
+        _sdk(c).chat.completions.create(model="base", messages=messages, tools=[MULTIPLY], max_tokens=3)
+    prompt = backend.tokenizer.decode(backend.texts[-1][0])
+    assert prompt.endswith(
+        '<user>2*3?<assistant><tool_call>\n{"name": "multiply", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+        "<tool>6<assistant>"
+    ), prompt
+    assert prompt.startswith('<tools>[{"type": "function", "function": {"name": "multiply"')
+
+
 def test_a_reply_s_tool_call_blocks_become_openai_tool_calls():
     import json
 
