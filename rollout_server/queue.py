@@ -129,9 +129,7 @@ class LeaseQueue:
     # -- learner side --------------------------------------------------------------------------------
     def lease_of(self, request_id: str) -> str | None:
         """The lease a pull of `request_id` got, while it is held."""
-        self.expire()
-        lease_id = self._requests.get(request_id)
-        return lease_id if lease_id in self._leases else None
+        return (self.answered(request_id) or (None, []))[0]
 
     def answered(self, request_id: str) -> tuple[str | None, list[ScoredGroup]] | None:
         """What a pull of `request_id` got, if one was answered: a retry whose answer was lost on the way
