@@ -105,6 +105,20 @@ class Proxy:
         started.set()
         self._loop.run_forever()
 
+    def close(self) -> None:
+        """Stop listening and cut every connection (a moved server's old address), then end its loop."""
+
+        async def shut():
+            self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:  # each connection's task: its `finally` aborts both of its sockets
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.sleep(0.1)  # the aborted transports close their sockets on the loop's next turns
+            self._loop.stop()
+
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(shut()))
+
     def cut_all(self) -> None:
         """Reset every open connection (RST, as a dropped route or a restarted middlebox does)."""
 
@@ -293,10 +307,12 @@ class Soak:
             self.log_event(kind, server.name, port=new)
             server.held = True
             server.proc.stop()
-            self.server_ports[i] = proxy.upstream = new
+            self.server_ports[i] = new
             # the learner is told the new address: here the proxy's port is the address it knows, so a new
-            # proxy stands for the moved server and the learner is restarted with it
+            # proxy stands for the moved server, the old address stops answering, and the learner is
+            # restarted with the new one
             self.proxies[i] = Proxy(new)
+            proxy.close()
             server.held = False
             self.learner.proc.stop()
             return []

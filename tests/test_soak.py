@@ -3,6 +3,7 @@ invariant; and a short soak of the shipped CPU stack, one fault of each kind, ch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from tests.helpers import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from soak import Audit  # noqa: E402
+from soak import Audit, Proxy  # noqa: E402
 
 
 def _write(path: Path, records: list[dict]) -> None:
@@ -71,6 +72,50 @@ def test_the_audit_passes_a_clean_run_and_names_each_broken_invariant(tmp_path):
     held = _run(tmp_path / "e", [G[:2]], _events(G[:2], [G[:2]]), leased=2, version=0)
     assert "leases left open at the end: {'server0': 2}" in held["violations"]
     assert "the servers serve {'server0': 0}, the learner ended at v1" in held["violations"]
+
+
+def _echo(conn) -> None:
+    with contextlib.suppress(OSError):
+        while data := conn.recv(64):
+            conn.sendall(data)
+
+
+def test_a_closed_proxy_cuts_its_connections_and_stops_answering():
+    """A moved server's old proxy (fault server-move) must not keep its address answering."""
+    import socket
+    import threading
+    import time
+
+    upstream = socket.create_server(("127.0.0.1", 0))
+
+    def echo():
+        while True:
+            try:
+                conn, _ = upstream.accept()
+            except OSError:
+                return
+            threading.Thread(target=_echo, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=echo, daemon=True).start()
+    proxy = Proxy(upstream.getsockname()[1])
+    client = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+    client.sendall(b"hi")
+    assert client.recv(64) == b"hi"
+    proxy.close()
+    try:
+        cut = client.recv(64)  # the connection through it: cut (reset or closed), not left hanging
+    except ConnectionResetError:
+        cut = b""
+    assert cut == b""
+    deadline = time.time() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
+        except ConnectionRefusedError:
+            break
+        assert time.time() < deadline, "the closed proxy still accepts connections"
+        time.sleep(0.1)
+    upstream.close()
 
 
 @pytest.mark.slow
