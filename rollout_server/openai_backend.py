@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,11 +67,17 @@ class EngineRefused(ValueError):
     """An endpoint answered 4xx: the request itself is wrong for it (the message is vLLM's)."""
 
 
+ON_DEMAND_KEPT = 2  # versions no longer served that an endpoint keeps loaded after a request for one
+
+
 @dataclass
 class Endpoint:
     url: str
     up: bool = False
     loaded: set[int] = field(default_factory=set)  # versions loaded since it last came up
+    # versions no longer served that it loaded for a request (an evaluation of an older one), least
+    # recently asked for first: adapter and requests in flight; at most ON_DEMAND_KEPT stay loaded
+    on_demand: OrderedDict[int, list] = field(default_factory=OrderedDict)
     busy: int = 0  # requests in flight
     base: str = ""  # the name it serves the base model under
     error: str = "not probed yet"  # why it is down
@@ -308,6 +315,7 @@ class OpenAIBackend:
             self.on_event("endpoint_down", endpoint=ep.url, error=why)
         ep.up, ep.error = False, why
         ep.loaded.clear()
+        ep.on_demand = OrderedDict((v, u) for v, u in ep.on_demand.items() if u[1])  # (the ones in flight)
 
     async def _watcher(self) -> None:
         """Every probe_s: an up endpoint that stops answering is marked down, a down one that answers is
@@ -376,7 +384,8 @@ class OpenAIBackend:
     async def _ready(self, adapter: Adapter | None) -> Endpoint:
         """The least busy endpoint that is up and serves `adapter`'s version, waiting until there is one. A
         version no longer served (an evaluation of an older one) may go anywhere: it is loaded where it is
-        asked for, as vLLM loads a LoRA request's adapter in process."""
+        asked for, as vLLM loads a LoRA request's adapter in process (and unloaded again beyond
+        ON_DEMAND_KEPT, _retire_on_demand)."""
         on_demand = adapter is not None and adapter.version not in self.adapters
         warned = 0.0
         while True:
@@ -402,6 +411,10 @@ class OpenAIBackend:
         scoring = body["sampling_params"].get("prompt_logprobs") is not None  # never batched with sampling
         while True:
             ep = await self._ready(adapter)
+            on_demand = adapter is not None and adapter.version not in self.adapters
+            if on_demand:
+                ep.on_demand.setdefault(adapter.version, [adapter, 0])[1] += 1
+                ep.on_demand.move_to_end(adapter.version)
             ep.busy += 1
             try:
                 if adapter is not None and adapter.version not in ep.loaded:  # on demand (_ready)
@@ -415,8 +428,22 @@ class OpenAIBackend:
                 continue
             finally:
                 ep.busy -= 1
+                if on_demand:
+                    ep.on_demand[adapter.version][1] -= 1
+                    await self._retire_on_demand(ep)
             self.on_event("sampled", endpoint=ep.url, version=adapter.version if adapter else 0)
             return out
+
+    async def _retire_on_demand(self, ep: Endpoint) -> None:
+        """Unload the least recently asked-for versions loaded on demand beyond ON_DEMAND_KEPT (none with a
+        request in flight): an evaluation of old versions must not grow the engine's adapters run-long."""
+        while len(ep.on_demand) > ON_DEMAND_KEPT:  # (looked at again after each await: requests go on)
+            idle = [v for v, (_, users) in ep.on_demand.items() if not users and v not in self.adapters]
+            if not idle:
+                return
+            adapter, _ = ep.on_demand.pop(idle[0])
+            if adapter.version in ep.loaded and ep.up:
+                await self._unload_on(ep, adapter)
 
     def _samples(self, out: dict) -> list[Sample]:
         samples = []

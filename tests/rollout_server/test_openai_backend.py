@@ -213,6 +213,27 @@ def test_versions_go_only_where_loaded_and_a_lost_endpoint_is_brought_back(token
     assert {ep for _, ep, _ in sampled} == {"http://a:8000", "http://b:8000"}
 
 
+def test_older_versions_loaded_for_evaluations_do_not_pile_up_on_the_engine(tokenizer):
+    """Versions no longer served that requests ask for are loaded where they go, and beyond ON_DEMAND_KEPT
+    the least recently asked-for is unloaded again; the served version stays."""
+    from rollout_server.openai_backend import ON_DEMAND_KEPT
+
+    a = FakeEngine(tokenizer)
+    backend = _backend(tokenizer, {"http://a:8000": a})
+
+    async def run():
+        await backend.start(0)
+        await backend.load_adapter(Adapter(9, "/store/v9"))  # the one served
+        for v in (1, 2, 3, 2, 4):
+            await backend.score([1, 2], [10, 10], Adapter(v, f"/store/v{v}"))
+            assert "policy-v9" in a.loras and len(a.loras) <= 1 + ON_DEMAND_KEPT
+        assert set(a.loras) == {"policy-v9", "policy-v2", "policy-v4"}  # 1 and 3: least recently asked for
+        assert a.requests[-1] == "policy-v4"
+        await backend.close()
+
+    asyncio.run(run())
+
+
 def test_a_refused_adapter_is_loaded_nowhere(tokenizer):
     a, b = FakeEngine(tokenizer), FakeEngine(tokenizer)
     b.refuse.add("policy-v1")
