@@ -430,7 +430,8 @@ class OpenAIBackend:
                 ep.busy -= 1
                 if on_demand:
                     ep.on_demand[adapter.version][1] -= 1
-                    await self._retire_on_demand(ep)
+            if on_demand:
+                await self._retire_on_demand(ep)
             self.on_event("sampled", endpoint=ep.url, version=adapter.version if adapter else 0)
             return out
 
