@@ -8,7 +8,8 @@ held-out success before and after a short run, the training reward per step, and
 --task two_turn_sums trains on examples/two_turn_sums.py, a taskset of the `verifiers` library played by
 its own harness (env.kind = "verifiers"), and evaluates on its 100 held-out tasks the same way: success is
 its `correct` reward (the second answer right). --task basic_arithmetic / syllogism / number_format /
-ransom_note / chain_sum / products / simple_equations / lcm trains on that reasoning-gym task (data.task =
+ransom_note / chain_sum / products / simple_equations / lcm (and one_digit_sums: chain_sum of two one-digit
+terms) trains on that reasoning-gym task (data.task =
 "reasoning_gym", small configs, data.reasoning_gym.answer_prefill: SmolLM2 never writes the <answer> tag
 itself) and evaluates on its held-out split, scored by the task's own score_answer (correct: a score of
 1), next to what always giving the split's most common answer scores.
@@ -57,9 +58,14 @@ VERIFIERS = [
 
 # reasoning-gym tasks whose groups carry a signal for SmolLM2-135M with the prefill (docs/benchmarks.md §13):
 # config, train size (basic_arithmetic's one-digit pairs are ~400 problems: a small train split leaves a
-# held-out one)
+# held-out one). A name that is not reasoning-gym's is a second config of the task in TASK_OF.
+TASK_OF = {"one_digit_sums": "chain_sum"}
 REASONING_GYM = {
     "chain_sum": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, 2000),
+    "one_digit_sums": (
+        {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        100,
+    ),  # a + b, a - b
     "basic_arithmetic": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 200),
     "products": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 40),  # of 100 pairs
     "simple_equations": ({"min_terms": 2, "max_terms": 2, "min_value": 1, "max_value": 9}, 2000),
@@ -78,7 +84,8 @@ EVAL_SIZE = 150
 def rg_data(name: str) -> dict:
     """data.reasoning_gym for one of REASONING_GYM's tasks: what the run is given and the baseline reads."""
     config, size = REASONING_GYM[name]
-    return {"task": name, "config": config, "size": size, "eval_size": EVAL_SIZE, "answer_prefill": True}
+    task = TASK_OF.get(name, name)
+    return {"task": task, "config": config, "size": size, "eval_size": EVAL_SIZE, "answer_prefill": True}
 
 
 def reasoning_gym_task(name: str) -> list[str]:
@@ -151,7 +158,7 @@ def main() -> int:
         )
     if args.task in REASONING_GYM:
         task = reasoning_gym_task(args.task)
-        title = f"tandem: GRPO on reasoning-gym's {args.task}, SmolLM2-135M (CPU, 2 cores)"
+        title = f"tandem: GRPO on reasoning-gym's {rg_data(args.task)['task']}, SmolLM2-135M (CPU, 2 cores)"
     folder = {"calculator": "bench-agent", "two_turn_sums": "bench-verifiers"}.get(
         args.task, f"bench-rg-{args.task}"
     )
