@@ -62,10 +62,8 @@ VERIFIERS = [
 TASK_OF = {"one_digit_sums": "chain_sum"}
 REASONING_GYM = {
     "chain_sum": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, 2000),
-    "one_digit_sums": (
-        {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
-        100,
-    ),  # a + b, a - b
+    # a + b or a - b, one digit each: at most 200 problems, so a train split of 100 leaves a held-out one
+    "one_digit_sums": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 100),
     "basic_arithmetic": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 200),
     "products": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 40),  # of 100 pairs
     "simple_equations": ({"min_terms": 2, "max_terms": 2, "min_value": 1, "max_value": 9}, 2000),

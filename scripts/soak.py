@@ -104,6 +104,7 @@ class Proxy:
         self._server = self._loop.run_until_complete(serving)
         started.set()
         self._loop.run_forever()
+        self._loop.close()  # (close() stopped it)
 
     def close(self) -> None:
         """Stop listening and cut every connection (a moved server's old address), then end its loop."""
