@@ -381,14 +381,15 @@ class OpenAIBackend:
         await asyncio.gather(*(self._unload_on(ep, adapter) for ep in self.endpoints if ep.up))
 
     # -- work -----------------------------------------------------------------------------------------
-    async def _ready(self, adapter: Adapter | None) -> Endpoint:
-        """The least busy endpoint that is up and serves `adapter`'s version, waiting until there is one. A
-        version no longer served (an evaluation of an older one) may go anywhere: it is loaded where it is
-        asked for, as vLLM loads a LoRA request's adapter in process (and unloaded again beyond
-        ON_DEMAND_KEPT, _retire_on_demand)."""
-        on_demand = adapter is not None and adapter.version not in self.adapters
+    async def _ready(self, adapter: Adapter | None) -> tuple[Endpoint, bool]:
+        """The least busy endpoint that is up and serves `adapter`'s version, waiting until there is one,
+        and whether the version is on demand. A version no longer served (an evaluation of an older one)
+        may go anywhere: it is loaded where it is asked for, as vLLM loads a LoRA request's adapter in
+        process (and unloaded again beyond ON_DEMAND_KEPT, _retire_on_demand). Decided afresh on each
+        wake: a version retired while this waits becomes on demand."""
         warned = 0.0
         while True:
+            on_demand = adapter is not None and adapter.version not in self.adapters
             ready = [
                 ep
                 for ep in self.endpoints
@@ -397,7 +398,8 @@ class OpenAIBackend:
             if ready:  # the least busy; among equals, each in turn
                 self._turn += 1
                 n = len(self.endpoints)
-                return min(ready, key=lambda e: (e.busy, (self.endpoints.index(e) - self._turn) % n))
+                best = min(ready, key=lambda e: (e.busy, (self.endpoints.index(e) - self._turn) % n))
+                return best, on_demand
             if time.monotonic() - warned > 60:
                 what = adapter.name if adapter else "the base model"
                 log.warning("no engine endpoint is up with %s; waiting for one", what)
@@ -410,8 +412,7 @@ class OpenAIBackend:
         """A generate-route call on an endpoint serving `adapter`, retried on another if that one is lost."""
         scoring = body["sampling_params"].get("prompt_logprobs") is not None  # never batched with sampling
         while True:
-            ep = await self._ready(adapter)
-            on_demand = adapter is not None and adapter.version not in self.adapters
+            ep, on_demand = await self._ready(adapter)
             if on_demand:
                 ep.on_demand.setdefault(adapter.version, [adapter, 0])[1] += 1
                 ep.on_demand.move_to_end(adapter.version)

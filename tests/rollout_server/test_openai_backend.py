@@ -234,6 +234,35 @@ def test_older_versions_loaded_for_evaluations_do_not_pile_up_on_the_engine(toke
     asyncio.run(run())
 
 
+def test_a_request_waiting_for_a_version_that_is_retired_meanwhile_gets_it_on_demand(tokenizer):
+    """An evaluation of v1 waits while no endpoint is up; v1 is retired and v2 published meanwhile. The
+    endpoint comes back with v2 only: the waiting request is now on demand, loads v1 there and is answered
+    (deciding "on demand" once, before the wait, left it waiting for an endpoint with v1 for ever)."""
+    a = FakeEngine(tokenizer)
+    backend = _backend(tokenizer, {"http://a:8000": a})
+
+    async def run():
+        await backend.start(0)
+        v1, v2 = Adapter(1, "/store/v1"), Adapter(2, "/store/v2")
+        await backend.load_adapter(v1)
+        a.up = False
+        waiting = asyncio.create_task(backend.score([1, 2], [10, 10], v1))
+        for _ in range(100):  # the request found the endpoint gone and waits for one
+            if not backend.endpoints[0].up:
+                break
+            await asyncio.sleep(0.02)
+        assert not backend.endpoints[0].up and not waiting.done()
+        await backend.unload_adapter(v1)
+        await backend.load_adapter(v2)
+        a.loras.clear()  # it restarted
+        a.up = True
+        await asyncio.wait_for(waiting, 5.0)
+        assert a.requests[-1] == "policy-v1" and set(a.loras) == {"policy-v1", "policy-v2"}
+        await backend.close()
+
+    asyncio.run(run())
+
+
 def test_a_refused_adapter_is_loaded_nowhere(tokenizer):
     a, b = FakeEngine(tokenizer), FakeEngine(tokenizer)
     b.refuse.add("policy-v1")
