@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from shared.config import ConfigError, TandemConfig
+from shared.config import LoraConfig as LoraSettings
 
 
 def deepspeed_config(cfg: TandemConfig, world_size: int, on_cpu: bool, num_trainable: int) -> dict[str, Any]:
@@ -90,10 +91,23 @@ def init_distributed() -> tuple[int, int, bool]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), on_cpu
 
 
+def peft_lora(lora: LoraSettings):
+    """peft's LoraConfig for the config's lora section: the one place its settings become peft's."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+
 def build_engine(cfg: TandemConfig, model_path: str, world_size: int, on_cpu: bool):
     """DeepSpeed engine over a PeftModel whose LoRA B is zero: step 0 is exactly the base model."""
     import deepspeed
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, cfg.model.dtype))
@@ -107,14 +121,7 @@ def build_engine(cfg: TandemConfig, model_path: str, world_size: int, on_cpu: bo
         from learner.attention import NAME
 
         base.set_attn_implementation(NAME)
-    lora = LoraConfig(
-        r=cfg.lora.r,
-        lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
-        target_modules=list(cfg.lora.target_modules),
-        task_type="CAUSAL_LM",
-    )
-    model = get_peft_model(base, lora)
+    model = get_peft_model(base, peft_lora(cfg.lora))
     if cfg.learner.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

@@ -114,10 +114,10 @@ def run_trl(args, cfg, work: Path, tuned: bool) -> list[tuple[float, float]]:
     stays for the rest of the process."""
     import torch
     from datasets import Dataset
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from learner.engine import peft_lora
     from shared.datasets import chat_messages, epoch_order, load_problems
     from shared.models import resolve_model
     from shared.reward import verify
@@ -164,13 +164,7 @@ def run_trl(args, cfg, work: Path, tuned: bool) -> list[tuple[float, float]]:
         keep_freed_memory(lambda *a: None)
     dtype = getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model.name), dtype=dtype)
-    peft = LoraConfig(
-        r=cfg.lora.r,
-        lora_alpha=cfg.lora.alpha,
-        lora_dropout=cfg.lora.dropout,
-        target_modules=list(cfg.lora.target_modules),
-        task_type="CAUSAL_LM",
-    )
+    peft = peft_lora(cfg.lora)
 
     class Timer(TrainerCallback):
         """Wall clock of each optimizer step (generation included) and its completion tokens."""

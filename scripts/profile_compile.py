@@ -3,19 +3,18 @@ side by side in one process, on rows shaped like the bench step's micro-batches.
 
     .venv/bin/python scripts/profile_compile.py [--region layer|mlp] [--dtype auto] [--rows 12]
 
-Two copies of SmolLM2-135M with the learner's LoRA (r 16 on q/k/v/o, peft), one left eager and one with
-each decoder layer (`--region layer`: attention, MLP, norms, rotary and the LoRA layers in one graph) or
-only each layer's MLP and norms (`--region mlp`: the elementwise work the training profile shows above
-the matmuls, docs/benchmarks.md §15) compiled by inductor with dynamic shapes. Each row is one packed
-micro-batch as the shared-prompt learner builds it for the bench workload: ~90 prompt tokens and 8
-completions of ~50 (lengths drawn around that), the logits kept at the completion positions, a
-log-softmax over them, backward into the adapter. The copies alternate row by row on the same inputs (so
-a noisy neighbour slows both), after 3 warm-up rows each (the compiled copy's compilation). Prints each
-copy's median seconds a row, the ratio, and how far the compiled copy's loss and adapter gradients are from
-the eager ones (relative L2 norm of each gradient's difference, the largest).
-
-What it leaves out: the learner's own segment attention (learner/attention.py) loops over each row's
-segments in Python, which a compiled graph would break at; the rows here use SDPA with a causal mask.
+Two copies of the CPU config's model (SmolLM2-135M) with its LoRA (deploy/configs/cpu.toml, peft), one left
+eager and one with each decoder layer (`--region layer`: attention, MLP, norms, rotary and the LoRA layers in
+one graph) or only each layer's MLP and norms (`--region mlp`: the elementwise work the training profile shows
+above the matmuls, docs/benchmarks.md §15) compiled by inductor with dynamic shapes. Each row is one packed
+micro-batch as the shared-prompt learner builds it for the bench workload: ~90 prompt tokens and 8 completions
+of ~50 (lengths drawn around that), the logits kept at the completion positions, a log-softmax over them,
+backward into the adapter. The copies alternate row by row on the same inputs (so a noisy neighbour slows
+both), after 3 warm-up rows each (the compiled copy's compilation). Prints each copy's median seconds a row,
+the ratio, and how far the compiled copy's loss and adapter gradients are from the eager ones (relative L2
+norm of each gradient's difference, the largest). What it leaves out: the learner's own segment attention
+(learner/attention.py) loops over each row's segments in Python, which a compiled graph would break at; the
+rows here use SDPA with a causal mask.
 """
 
 from __future__ import annotations
@@ -39,21 +38,20 @@ def main() -> int:
     args = p.parse_args()
 
     import torch
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from shared.config import native_dtype
+    from learner.engine import peft_lora
+    from shared.config import load_config, native_dtype
     from shared.models import resolve_model
 
+    cfg = load_config(REPO / "deploy/configs/cpu.toml")  # the bench's model and LoRA
     dtype = native_dtype() if args.dtype == "auto" else args.dtype
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(
-        resolve_model("smollm2-135m"), dtype=getattr(torch, dtype), attn_implementation="sdpa"
+        resolve_model(cfg.model.name), dtype=getattr(torch, dtype), attn_implementation="sdpa"
     )
-    lora = LoraConfig(
-        r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
-    eager = get_peft_model(base, lora)
+    eager = get_peft_model(base, peft_lora(cfg.lora))
     for name, w in eager.named_parameters():  # B = 0 would give A no gradient to compare
         if "lora_B" in name:
             torch.nn.init.normal_(w, std=0.02)
