@@ -347,6 +347,26 @@ def import_reasoning_gym():
     return reasoning_gym
 
 
+def _rg_shots(cfg: DataConfig, solved: list[dict], k: int, entry: dict, key: str) -> tuple[dict, ...]:
+    """data.reasoning_gym.shots: k solved train problems other than `entry`, drawn per problem from the
+    data seed (the same turns every time the split is loaded), as user/assistant turns."""
+    if len(solved) <= k:
+        raise DatasetError(
+            f"data.reasoning_gym.shots = {k}: the train split has {len(solved)} problems, and each problem's "
+            "shots are others (raise data.reasoning_gym.size or lower shots)"
+        )
+    picked = random.Random(f"rg-shots-{cfg.seed}-{key}").sample(range(len(solved)), k + 1)
+    shots = [solved[i] for i in picked if solved[i]["question"] != entry["question"]][:k]
+    turns = []
+    for shot in shots:
+        user = (cfg.prompt_template or "{prompt}").format_map({"prompt": shot["question"]})
+        turns += [
+            {"role": "user", "content": user},
+            {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"},
+        ]
+    return tuple(turns)
+
+
 def rg_dataset(name: str, config: Mapping[str, Any], seed: int, size: int):
     """reasoning-gym's generator for one task; DatasetError naming the task or field when it refuses."""
     rg = import_reasoning_gym()
@@ -385,18 +405,26 @@ def load_reasoning_gym(cfg: DataConfig, split: str) -> list[Problem]:
     tasks = {name: rg_dataset(name, configs.get(name, {}), base + start, size) for name in weights}
     pick = random.Random(f"rg-{split}-{cfg.seed}")
     names, taken = list(weights), dict.fromkeys(weights, 0)
-    seen_train = {p.question for p in load_reasoning_gym(cfg, "train")} if split == "test" else set()
+    train = load_reasoning_gym(cfg, "train") if split == "test" else []
+    seen_train = {p.question for p in train}
     rg = import_reasoning_gym()
     system = cfg.system_prompt if cfg.system_prompt is not None else rg.utils.SYSTEM_PROMPTS[RG_PROMPT]
-    problems = []
+    drawn = []  # (index, task name, entry), in the split's order
     for index in range(size):
         name = pick.choices(names, weights=[weights[n] for n in names])[0]
         entry = _jsonable(tasks[name][taken[name]])
         taken[name] += 1
-        if entry["question"] in seen_train:
-            continue
+        if entry["question"] not in seen_train:
+            drawn.append((index, name, entry))
+    # few-shot turns come from the train split, never from the problem itself or the held-out split
+    solved = [entry for _, _, entry in drawn] if split == "train" else [p.metadata["rg_entry"] for p in train]
+    problems = []
+    for index, name, entry in drawn:
         user = (cfg.prompt_template or "{prompt}").format_map({"prompt": entry["question"]})
-        messages = ({"role": "system", "content": system}, {"role": "user", "content": user})
+        messages = ({"role": "system", "content": system},)
+        if opts.shots:
+            messages += _rg_shots(cfg, solved, opts.shots, entry, f"{split}-{index}")
+        messages += ({"role": "user", "content": user},)
         metadata = {"rg_task": name, "rg_config": dict(configs.get(name, {})), "rg_entry": entry}
         if opts.answer_prefill:  # the answer's opening tag is the prompt's; the reward puts it back
             messages += ({"role": "assistant", "content": RG_PREFILL},)

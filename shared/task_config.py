@@ -40,6 +40,14 @@ class ReasoningGymConfig(Section):
         "continues it; a missing '</answer>' closes at the end): for small models that never write the tag "
         "reasoning-gym's extraction reads (SmolLM2-135M: 0 of 256 completions did)",
     )
+    shots: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description="solved problems of the train split shown before each question, as earlier user and "
+        "assistant turns answering '<answer>ANSWER</answer>' (few-shot): shows a small model the answer's "
+        "form, a bare answer rather than a worked equation",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ReasoningGymConfig:

@@ -72,6 +72,29 @@ def test_an_answer_prefill_opens_the_answer_in_the_prompt_and_the_reward_reads_i
     assert reasoning_gym(f"{p.answer}", p.answer, "", dict(plain.metadata)) == 0.0  # without: no tag
 
 
+def test_shots_show_solved_train_problems_before_the_question_in_the_answer_s_form():
+    plain = _cfg(config=SMALL, answer_prefill=True)
+    cfg = _cfg(config=SMALL, answer_prefill=True, shots=2)
+    train = {p.question: p.answer for p in load_problems(cfg.data, "train")}
+    for split in ("train", "test"):
+        shown = load_problems(cfg.data, split)
+        # the same problems, in the same order, as without shots: only the conversation grows
+        assert [p.question for p in shown] == [p.question for p in load_problems(plain.data, split)]
+        for p in shown[:20]:
+            system, *turns, question, prefill = p.conversation()
+            assert system["role"] == "system" and question == {"role": "user", "content": p.question}
+            assert prefill == {"role": "assistant", "content": "<answer>"}
+            assert [t["role"] for t in turns] == ["user", "assistant"] * 2
+            for user, answer in zip(turns[::2], turns[1::2], strict=True):
+                # a solved train problem, never the problem itself: its answer in the tag the reward reads
+                assert user["content"] in train and user["content"] != p.question
+                assert answer["content"] == f"<answer>{train[user['content']]}</answer>"
+    # drawn from the seed: the same turns on every load, different ones per problem
+    again = load_problems(cfg.data, "test")
+    assert [p.conversation() for p in again] == [p.conversation() for p in load_problems(cfg.data, "test")]
+    assert len({str(p.conversation()[1:5]) for p in again}) > len(again) // 2
+
+
 def test_a_mix_draws_each_task_by_weight_and_scores_each_with_its_own():
     cfg = _cfg(task=None, mix={"leg_counting": 1, "basic_arithmetic": 3}, config={"basic_arithmetic": SMALL})
     train = load_problems(cfg.data, "train")
@@ -103,6 +126,7 @@ def test_the_task_chooses_its_reward_and_a_verifier_that_cannot_read_it_is_an_er
         ({"mix": {"leg_counting": 1}}, "data.reasoning_gym: give task or mix, not both"),
         ({"data_task": "arith"}, "data.reasoning_gym applies to data.task = 'reasoning_gym' only"),
         ({"task": None, "mix": {"leg_counting": 0}}, "weight > 0"),
+        ({"shots": 17}, "shots\\n  Input should be less than or equal to 16"),
         (
             {"task": None, "mix": {"leg_counting": 1}, "config": {"chain_sum": {}}},
             "not in data.reasoning_gym.mix",
@@ -120,6 +144,7 @@ def test_config_errors_name_the_field(data, message):
         ({"task": "leg_count"}, "reasoning-gym has no task 'leg_count' \\(did you mean leg_counting"),
         ({"config": {"max_terms": 1}}, "data.reasoning_gym.config for 'basic_arithmetic'"),
         ({"config": {"no_such_field": 1}}, "data.reasoning_gym.config for 'basic_arithmetic'.*no_such_field"),
+        ({"size": 3, "shots": 4}, "data.reasoning_gym.shots = 4: the train split has 3 problems"),
     ],
 )
 def test_check_config_refuses_an_unknown_task_or_config_in_one_line(data, message):
