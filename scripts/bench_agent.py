@@ -57,20 +57,29 @@ VERIFIERS = [
 
 
 # reasoning-gym tasks whose groups carry a signal for SmolLM2-135M with the prefill (docs/benchmarks.md §13):
-# config, train size (basic_arithmetic's one-digit pairs are ~400 problems: a small train split leaves a
-# held-out one). A name that is not reasoning-gym's is a second config of the task in TASK_OF.
-TASK_OF = {"one_digit_sums": "chain_sum"}
+# the bench's name -> reasoning-gym's task, its config, the train split's size (basic_arithmetic's one-digit
+# pairs are ~400 problems: a small train split leaves a held-out one).
 REASONING_GYM = {
-    "chain_sum": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, 2000),
+    "chain_sum": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, 2000),
     # a + b or a - b, one digit each: at most 200 problems, so a train split of 100 leaves a held-out one
-    "one_digit_sums": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 100),
-    "basic_arithmetic": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 200),
-    "products": ({"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 40),  # of 100 pairs
-    "simple_equations": ({"min_terms": 2, "max_terms": 2, "min_value": 1, "max_value": 9}, 2000),
-    "lcm": ({"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 20}, 200),
-    "syllogism": ({}, 2000),  # Yes / No
-    "ransom_note": ({}, 2000),  # True / False
-    "number_format": ({"min_num_candidates": 2, "max_num_candidates": 2}, 2000),  # the larger or smaller
+    "one_digit_sums": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 100),
+    "basic_arithmetic": (
+        "basic_arithmetic",
+        {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        200,
+    ),
+    # 40 of the 100 pairs
+    "products": ("products", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}, 40),
+    "simple_equations": (
+        "simple_equations",
+        {"min_terms": 2, "max_terms": 2, "min_value": 1, "max_value": 9},
+        2000,
+    ),
+    "lcm": ("lcm", {"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 20}, 200),
+    "syllogism": ("syllogism", {}, 2000),  # Yes / No
+    "ransom_note": ("ransom_note", {}, 2000),  # True / False
+    # the larger or the smaller of two
+    "number_format": ("number_format", {"min_num_candidates": 2, "max_num_candidates": 2}, 2000),
 }
 
 
@@ -79,19 +88,25 @@ REASONING_GYM = {
 EVAL_SIZE = 150
 
 
-def rg_data(name: str) -> dict:
+def rg_data(name: str, shots: int = 0) -> dict:
     """data.reasoning_gym for one of REASONING_GYM's tasks: what the run is given and the baseline reads."""
-    config, size = REASONING_GYM[name]
-    task = TASK_OF.get(name, name)
-    return {"task": task, "config": config, "size": size, "eval_size": EVAL_SIZE, "answer_prefill": True}
+    task, config, size = REASONING_GYM[name]
+    return {
+        "task": task,
+        "config": config,
+        "size": size,
+        "eval_size": EVAL_SIZE,
+        "answer_prefill": True,
+        "shots": shots,
+    }
 
 
-def reasoning_gym_task(name: str) -> list[str]:
+def reasoning_gym_task(name: str, shots: int) -> list[str]:
     return [
         "--data.task=reasoning_gym",
         *(
             f"--data.reasoning_gym.{k}={v if isinstance(v, str) else json.dumps(v)}"
-            for k, v in rg_data(name).items()
+            for k, v in rg_data(name, shots).items()
         ),
         "--sampling.max_new_tokens=16",  # the answer, and its closing tag
     ]
@@ -142,7 +157,16 @@ def main() -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--eval-problems", type=int, default=100)
-    p.add_argument("--out", default=None, help="default: runs/bench-agent, bench-verifiers, bench-rg-<task>")
+    p.add_argument(
+        "--shots",
+        type=int,
+        default=0,
+        help="reasoning-gym tasks: solved train problems shown before each question "
+        "(data.reasoning_gym.shots; 0: none)",
+    )
+    p.add_argument(
+        "--out", default=None, help="default: runs/bench-agent, bench-verifiers, bench-rg-<task>[-shots<n>]"
+    )
     p.add_argument("--plot", default=None, help="PNG to write (default: <out>/agent.png)")
     p.add_argument("overrides", nargs="*", metavar="--section.key=value", help="more config overrides")
     args, extra = p.parse_known_args()
@@ -155,10 +179,13 @@ def main() -> int:
             "tandem: GRPO on a two-turn verifiers environment, SmolLM2-135M (CPU, 2 cores)",
         )
     if args.task in REASONING_GYM:
-        task = reasoning_gym_task(args.task)
-        title = f"tandem: GRPO on reasoning-gym's {rg_data(args.task)['task']}, SmolLM2-135M (CPU, 2 cores)"
+        task = reasoning_gym_task(args.task, args.shots)
+        shown = f", {args.shots} solved problems shown" if args.shots else ""
+        title = f"tandem: GRPO on reasoning-gym's {REASONING_GYM[args.task][0]}{shown}, SmolLM2-135M (CPU)"
+    elif args.shots:
+        p.error("--shots: reasoning-gym tasks only")
     folder = {"calculator": "bench-agent", "two_turn_sums": "bench-verifiers"}.get(
-        args.task, f"bench-rg-{args.task}"
+        args.task, f"bench-rg-{args.task}" + (f"-shots{args.shots}" if args.shots else "")
     )
     out = Path(args.out or REPO / "runs" / folder)
     out = out.resolve()
