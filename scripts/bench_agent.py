@@ -4,15 +4,16 @@ held-out success before and after a short run, the training reward per step, and
     .venv/bin/python scripts/bench_agent.py [--seeds 0,1,2] [--steps 16] [--eval-problems 100]
     .venv/bin/python scripts/bench_agent.py --task two_turn_sums     # a `verifiers` environment instead
     .venv/bin/python scripts/bench_agent.py --task syllogism         # reasoning-gym (or number_format, ...)
+    .venv/bin/python scripts/bench_agent.py --task one_digit_sums --shots 3 --steps 48  # 3 solved first
 
---task two_turn_sums trains on examples/two_turn_sums.py, a taskset of the `verifiers` library played by
-its own harness (env.kind = "verifiers"), and evaluates on its 100 held-out tasks the same way: success is
-its `correct` reward (the second answer right). --task basic_arithmetic / syllogism / number_format /
-ransom_note / chain_sum / products / simple_equations / lcm (and one_digit_sums: chain_sum of two one-digit
-terms) trains on that reasoning-gym task (data.task =
-"reasoning_gym", small configs, data.reasoning_gym.answer_prefill: SmolLM2 never writes the <answer> tag
-itself) and evaluates on its held-out split, scored by the task's own score_answer (correct: a score of
-1), next to what always giving the split's most common answer scores.
+--task two_turn_sums trains on examples/two_turn_sums.py, a taskset of the `verifiers` library played by its
+own harness (env.kind = "verifiers"), and evaluates on its 100 held-out tasks the same way: success is its
+`correct` reward (the second answer right). --task basic_arithmetic / syllogism / number_format / ransom_note
+/ chain_sum / products / simple_equations / lcm (and one_digit_sums: chain_sum of two one-digit terms) trains
+on that reasoning-gym task (data.task = "reasoning_gym", small configs, data.reasoning_gym.answer_prefill:
+SmolLM2 never writes the <answer> tag itself; --shots N shows N solved train problems before each question,
+data.reasoning_gym.shots) and evaluates on its held-out split, scored by the task's own score_answer (correct:
+a score of 1), next to what always giving the split's most common answer scores.
 
 Each seed is `scripts/demo.py` (vLLM server with merged versions, DeepSpeed learner, deploy/configs/cpu.toml,
 bf16 where the CPU computes in it) on the calculator task as tool-use episodes: the model may call
