@@ -131,10 +131,18 @@ def test_a_verifiers_taskset_with_a_function_tool_plays_its_tool_server_s_result
     env = proc_env(PYTHONPATH=str(tmp_path))
     server, client = start_server(tmp_path, TOOL_TASKSET, env=env)
     groups, tool_turns = [], []
+    cmd = [
+        sys.executable, "-m", "learner.evaluate", "--config", "deploy/configs/cpu.toml", *TOOL_TASKSET,
+        f"--learner.server_urls={client.url}", "--limit=2", f"--out={tmp_path / 'eval.json'}",
+    ]  # fmt: skip
+    # the evaluation runs while the groups are pulled: after the last pull the server would only be
+    # producing groups nobody takes, which an evaluation run afterwards waited behind (~1 min)
+    with open(tmp_path / "eval.log", "w+") as log:
+        evaluating = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         while not tool_turns and len(groups) < 12:
-            pulled = client.pull(2, wait_s=120)
-            assert pulled.groups, "no group within 120 s"
+            pulled = client.pull(2, wait_s=240)
+            assert pulled.groups, "no group within 240 s"
             client.ack(pulled.lease_id)
             for g in pulled.groups:
                 groups.append(g)
@@ -156,16 +164,15 @@ def test_a_verifiers_taskset_with_a_function_tool_plays_its_tool_server_s_result
             for g, c, _, _ in tool_turns
         }
         text = httpx.get(f"{client.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
-        cmd = [
-            sys.executable, "-m", "learner.evaluate", "--config", "deploy/configs/cpu.toml", *TOOL_TASKSET,
-            f"--learner.server_urls={client.url}", "--limit=2", f"--out={tmp_path / 'eval.json'}",
-        ]  # fmt: skip
-        evaluated = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        evaluating.wait(timeout=600)
     finally:
+        if evaluating.poll() is None:
+            evaluating.kill()
+            evaluating.wait()
         client.close()
         server.stop()
     # evaluation: the library's evaluation client offers the tool through the server's OpenAI API
-    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert evaluating.returncode == 0, (tmp_path / "eval.log").read_text()[-3000:]
     result = json.loads((tmp_path / "eval.json").read_text())
     assert result["problems"] == 2 and result["failed"] == 0 and result["rewards"].keys() == {"solved"}
     assert tool_turns, f"no episode with a tool turn in {len(groups)} groups"
