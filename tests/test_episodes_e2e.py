@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from rollout_server.episodes import Appender
 from shared.config import load_config
-from shared.datasets import load_problems
+from shared.datasets import chat_prompt_ids, load_problems
 from shared.rewards import reasoning_gym
 from tests.helpers import SMALL_LEARNER, rescore, start_learner, start_server
 
@@ -159,20 +159,28 @@ def test_two_steps_each_on_a_tool_task_and_a_multi_turn_task(tmp_path, model_dir
 
 
 def test_two_steps_on_a_reasoning_gym_task(tmp_path, model_dir):
-    """data.task = 'reasoning_gym' in one line: generated offline, the reward its own score_answer."""
+    """data.task = 'reasoning_gym' in one line: generated offline, the reward its own score_answer; two
+    solved problems shown before each question (data.reasoning_gym.shots), trained and re-scored as
+    rendered."""
     pytest.importorskip("reasoning_gym")
     task = [
         "--data.task=reasoning_gym",
         "--data.reasoning_gym.task=basic_arithmetic",
         '--data.reasoning_gym.config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}',
+        "--data.reasoning_gym.shots=2",
     ]
     steps, metrics, rescored = _train(tmp_path, "rg", task)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(0 <= m["reward/reasoning_gym/mean"] <= 1 for m in metrics)
     problems = {p.id: p for p in load_problems(load_config(None, [o[2:] for o in task]).data)}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for record in steps:  # each reward is the task's score_answer of the completion's <answer> tag
         for g in record["groups"]:
             meta = dict(problems[g["prompt_id"]].metadata)
+            # the prompt trained on is the conversation with its shots: 2 solved problems, then the question
+            conversation = problems[g["prompt_id"]].conversation()
+            assert [m["role"] for m in conversation] == ["system", *["user", "assistant"] * 2, "user"]
+            assert g["prompt_token_ids"] == chat_prompt_ids(tokenizer, conversation)
             for c in g["completions"]:
                 assert c["rewards"] == {"reasoning_gym": reasoning_gym(c["text"], g["answer"], "", meta)}
-    assert _check(rescored, AutoTokenizer.from_pretrained(model_dir)) == 0  # single turn: no episodes
+    assert _check(rescored, tokenizer) == 0  # single turn: no episodes
