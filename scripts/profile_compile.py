@@ -12,9 +12,10 @@ of ~50 (lengths drawn around that), the logits kept at the completion positions,
 backward into the adapter. The copies alternate row by row on the same inputs (so a noisy neighbour slows
 both), after 3 warm-up rows each (the compiled copy's compilation). Prints each copy's median seconds a row,
 the ratio, and how far the compiled copy's loss and adapter gradients are from the eager ones (relative L2
-norm of each gradient's difference, the largest). What it leaves out: the learner's own segment attention
-(learner/attention.py) loops over each row's segments in Python, which a compiled graph would break at; the
-rows here use SDPA with a causal mask.
+norm of each gradient's difference, the largest).
+
+What it leaves out: the learner's own segment attention (learner/attention.py) loops over each row's
+segments in Python, which a compiled graph would break at; the rows here use SDPA with a causal mask.
 """
 
 from __future__ import annotations

@@ -148,17 +148,23 @@ def make_arith(split: str, size: int, difficulty: int, seed: int = 0) -> list[Pr
     return problems
 
 
+def fill_template(template: str, fields: Mapping[str, Any]) -> str:
+    """`data.prompt_template` filled from {prompt} and a row's columns (its syntax is checked with the
+    config); DatasetError naming the field when the template asks for a column the row lacks."""
+    try:
+        return template.format_map(fields)
+    except KeyError as e:
+        have = ", ".join(sorted(fields))
+        raise DatasetError(f"data.prompt_template: no column {e} (columns: {have})") from None
+
+
 def render(cfg: DataConfig, prompt: str, row: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
     """The conversation for one prompt: the system prompt, then the user message made from
     `data.prompt_template` with {prompt} and the row's columns."""
     template = cfg.prompt_template
     if template is None:
         template = "{prompt}" if cfg.task == "custom" else MATH_TEMPLATE
-    try:
-        text = template.format_map({**(row or {}), "prompt": prompt})
-    except KeyError as e:
-        have = ", ".join(sorted({*(row or {}), "prompt"}))
-        raise DatasetError(f"data.prompt_template: no column {e} (columns: {have})") from None
+    text = fill_template(template, {**(row or {}), "prompt": prompt})
     system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
     return [*system, {"role": "user", "content": text}]
 
@@ -359,7 +365,7 @@ def _rg_shots(cfg: DataConfig, solved: list[dict], k: int, entry: dict, key: str
     shots = [solved[i] for i in picked if solved[i]["question"] != entry["question"]][:k]
     turns = []
     for shot in shots:
-        user = (cfg.prompt_template or "{prompt}").format_map({"prompt": shot["question"]})
+        user = fill_template(cfg.prompt_template or "{prompt}", {"prompt": shot["question"]})
         turns += [
             {"role": "user", "content": user},
             {"role": "assistant", "content": f"<answer>{shot['answer']}</answer>"},
@@ -420,7 +426,7 @@ def load_reasoning_gym(cfg: DataConfig, split: str) -> list[Problem]:
     solved = [entry for _, _, entry in drawn] if split == "train" else [p.metadata["rg_entry"] for p in train]
     problems = []
     for index, name, entry in drawn:
-        user = (cfg.prompt_template or "{prompt}").format_map({"prompt": entry["question"]})
+        user = fill_template(cfg.prompt_template or "{prompt}", {"prompt": entry["question"]})
         messages = ({"role": "system", "content": system},)
         if opts.shots:
             messages += _rg_shots(cfg, solved, opts.shots, entry, f"{split}-{index}")

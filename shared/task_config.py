@@ -136,6 +136,11 @@ class DataConfig(Section):
                 raise ValueError(msg) from None
             if any(not f or not f.isidentifier() for f in fields):
                 raise ValueError("data.prompt_template: every {field} must name a column, e.g. {prompt}")
+            if self.task != "custom" and (other := sorted(set(fields) - {"prompt"})):
+                raise ValueError(
+                    f"data.prompt_template: {{{other[0]}}}: data.task = '{self.task}' fills {{prompt}} only "
+                    "(other fields name a column of data.task = 'custom')"
+                )
         return self
 
 

@@ -108,6 +108,27 @@ def test_cross_field_rules():
         load_config(None, ["learner.placement=split", "learner.max_staleness=3", "server.max_loras=2"])
 
 
+@pytest.mark.parametrize(
+    "template, task, message",
+    [
+        ("{prompt", "arith", r"data.prompt_template: expected '}' before end of string \(write {{ and }}"),
+        ("{0} {prompt}", "arith", r"data.prompt_template: every {field} must name a column"),
+        ("{level}: {prompt}", "gsm8k", r"{level}: data.task = 'gsm8k' fills {prompt} only"),
+        ("{foo} {prompt}", "reasoning_gym", r"{foo}: data.task = 'reasoning_gym' fills {prompt} only"),
+    ],
+)
+def test_a_prompt_template_that_cannot_be_filled_is_refused_with_the_config(template, task, message):
+    overrides = [f"data.task={task}", f"data.prompt_template={template}"]
+    if task == "reasoning_gym":
+        overrides.append("data.reasoning_gym.task=chain_sum")
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+    # a custom task's template may name its columns: the rows are checked when they are read
+    assert load_config(
+        None, ["data.task=custom", "data.prompt_template={level}: {prompt}"]
+    ).data.prompt_template
+
+
 def test_the_servers_lora_slots_and_rank_are_derived_from_the_learners_settings():
     cfg = load_config(None, ["lora.r=32"])
     assert (cfg.server.max_lora_rank, cfg.server.max_loras) == (32, 2)  # the trained rank; timeslice: 2

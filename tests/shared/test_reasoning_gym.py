@@ -154,6 +154,17 @@ def test_check_config_refuses_an_unknown_task_or_config_in_one_line(data, messag
         check_task(_cfg(**data))
 
 
+@pytest.mark.parametrize("shots", [0, 2])
+def test_the_prompt_template_makes_the_question_and_each_shot_s(shots):
+    cfg = TandemConfig(
+        data={**TASK, "prompt_template": "Q: {prompt}", "reasoning_gym": {**RG, "shots": shots}}
+    )
+    problem = load_problems(cfg.data)[0]
+    users = [t["content"] for t in problem.messages if t["role"] == "user"]
+    assert len(users) == shots + 1 and all(u.startswith("Q: ") for u in users)
+    assert users[-1] == f"Q: {problem.question}"
+
+
 def test_the_reward_runs_in_the_workers_as_training_calls_it():
     import asyncio
 
