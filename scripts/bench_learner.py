@@ -5,6 +5,8 @@
     .venv/bin/python scripts/bench_learner.py RUN/learner/groups.jsonl --compare processes
     .venv/bin/python scripts/bench_learner.py RUN/learner/groups.jsonl --compare old_logprobs
     .venv/bin/python scripts/bench_learner.py RUN/learner/groups.jsonl --compare packed_attention
+    .venv/bin/python scripts/bench_learner.py RUN/learner/groups.jsonl --compare micro_batches \
+        --set model.dtype=auto
 
 Replays recorded groups (learner.replay_file: no server, the exact same batches) through the real DeepSpeed
 ZeRO-2 learner, once per variant, side by side in one run, and prints completion tokens per second of
@@ -15,7 +17,9 @@ process. `--compare processes`: 1 process against 2 (torchrun, gloo) with the co
 `--compare old_logprobs`: the sampler's log-probs as π_old against the learner's recomputed ones with
 truncated importance sampling (grpo.old_logprobs = recompute, grpo.tis_cap = 2): what the correction costs.
 `--compare packed_attention`: the packed rows' attention over the whole row under its mask (the reference)
-against segment by segment (learner.packed_attention, learner/attention.py).
+against segment by segment (learner.packed_attention, learner/attention.py). `--compare micro_batches`:
+--micro-batch-size completions a micro-batch (accumulated) against the whole step in one micro-batch.
+`--set KEY=VALUE` (repeatable) gives every variant a config override, e.g. the run's own model.dtype.
 """
 
 from __future__ import annotations
@@ -35,11 +39,20 @@ from harness.net import free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(name: str, groups: Path, args, work: Path, world: int = 1, extra: tuple[str, ...] = ()) -> dict:
-    """One learner over the replayed groups: its metrics records and its peak RSS (MiB)."""
+def run(
+    name: str,
+    groups: Path,
+    args,
+    work: Path,
+    world: int = 1,
+    extra: tuple[str, ...] = (),
+    micro: int | None = None,
+) -> dict:
+    """One learner over the replayed groups (`micro` completions a micro-batch, default
+    --micro-batch-size): its metrics records and its peak RSS (MiB)."""
     recorded = json.loads((groups.parent / "config.json").read_text())
-    b, g = recorded["learner"]["prompts_per_step"], recorded["sampling"]["group_size"]
-    micro = args.micro_batch_size
+    b, g = step_shape(groups)
+    micro = micro or args.micro_batch_size
     if (b * g) % (micro * world):
         raise SystemExit(f"B x G = {b * g} is not divisible by micro batch {micro} x {world} processes")
     out = work / name
@@ -60,6 +73,7 @@ def run(name: str, groups: Path, args, work: Path, world: int = 1, extra: tuple[
         f"--learner.steps={args.steps}",
         f"--learner.replay_file={groups}",
         f"--learner.out_dir={out}",
+        *(f"--{kv}" for kv in args.set),
         *extra,
     ]
     threads = max(1, (os.cpu_count() or 1) // world)
@@ -78,6 +92,12 @@ def run(name: str, groups: Path, args, work: Path, world: int = 1, extra: tuple[
         raise SystemExit(f"learner {name} failed; see {log}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"records": records, "peak_rss_mib": usage.ru_maxrss / 1024}
+
+
+def step_shape(groups: Path) -> tuple[int, int]:
+    """(prompts a step, completions a group) of the run that recorded `groups`."""
+    recorded = json.loads((groups.parent / "config.json").read_text())
+    return recorded["learner"]["prompts_per_step"], recorded["sampling"]["group_size"]
 
 
 def tokens_per_step(groups: Path) -> dict[int, int]:
@@ -137,7 +157,12 @@ def main() -> int:
     )
     p.add_argument("--gsm8k-shaped", action="store_true", help="replay a generated GSM8K-shaped set instead")
     p.add_argument(
-        "--compare", choices=["paths", "processes", "old_logprobs", "packed_attention"], default="paths"
+        "--compare",
+        choices=["paths", "processes", "old_logprobs", "packed_attention", "micro_batches"],
+        default="paths",
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override for every variant"
     )
     p.add_argument("--config", default="deploy/configs/cpu.toml")
     p.add_argument("--steps", type=int, default=4, help="steps to replay; the first is a warm-up")
@@ -170,6 +195,9 @@ def main() -> int:
             "sampler": dict(extra=("--grpo.old_logprobs=sampler",)),
             "recompute_tis": dict(extra=("--grpo.old_logprobs=recompute", "--grpo.tis_cap=2")),
         }
+    elif args.compare == "micro_batches":
+        b, g = step_shape(groups)
+        variants = {f"micro_{args.micro_batch_size}": {}, f"micro_{b * g}": dict(micro=b * g)}
     else:
         variants = {"1_process": dict(world=1), "2_processes": dict(world=2)}
     result: dict = {"groups": str(args.groups), "cpus": os.cpu_count(), "steps_timed": args.steps - 1}
