@@ -58,11 +58,13 @@ def read_adapter(folder: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tens
     return out
 
 
-def merged(w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """W0 + scale·B·A in fp32. Not rounded back to the checkpoint's dtype: a bf16 checkpoint served in fp32
-    (deploy/configs/cpu.toml) would lose the update's low bits; vLLM's loader rounds once, to what it
-    serves."""
-    return w0.float() + scale * (b.float() @ a.float())
+def merged(
+    w0: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """W0 + scale·B·A computed in fp32, rounded once to `dtype`, the dtype the engine serves in (not the
+    checkpoint's: a bf16 checkpoint served in fp32, deploy/configs/cpu.toml, keeps the update's low bits).
+    Rounded here rather than by vLLM's loader, which rounds the same way but warns for every tensor."""
+    return (w0.float() + scale * (b.float() @ a.float())).to(dtype)
 
 
 def fused_group(name: str) -> list[str]:
@@ -102,7 +104,16 @@ class MergeWorker:
         names = set(lora) | self.tandem_touched
         send = sorted({n for name in names for n in fused_group(name)})
         self._tandem_load_w0(send)
-        weights = [(n, merged(self.tandem_w0[n], *lora[n]) if n in lora else self.tandem_w0[n]) for n in send]
+        dtype = self.vllm_config.model_config.dtype  # what the engine serves in
+        weights = [
+            (
+                n,
+                merged(self.tandem_w0[n], *lora[n], dtype=dtype)
+                if n in lora
+                else self.tandem_w0[n].to(dtype),
+            )
+            for n in send
+        ]
         if weights:
             self.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         self.tandem_touched = set(lora)

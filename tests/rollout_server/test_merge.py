@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rollout_server.backend import Adapter
 from rollout_server.engine_gates import MergedWeights
-from rollout_server.vllm_merge import MergeError, fused_group, merged, read_adapter
+from rollout_server.vllm_merge import MergeError, MergeWorker, fused_group, merged, read_adapter
 from tests.fakes import tiny_adapter
 
 
@@ -21,9 +22,48 @@ def test_merge_is_w0_plus_scaled_b_a_in_fp32():
     a, b = torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0], [0.5]])  # r = 1: B·A = [[2, 0], [0.5, 0]]
     w = merged(w0, a, b, scale=2.0)
     assert w.dtype == torch.float32 and w.tolist() == [[5.0, 2.0], [4.0, 4.0]]
+    # served in bf16: one rounding of the fp32 sum (1 + 2 * 1e-3 is 1.002 in fp32, 1.0 in bf16)
+    assert merged(w0, a, b * 1e-3, 1.0, dtype=torch.bfloat16)[0, 0].item() == 1.0
     tiny = merged(w0, a, b * 1e-4, 1.0)  # an update below bf16's resolution at 1.0 is kept
     assert tiny[0, 0].item() == pytest.approx(1.0002, abs=1e-7)
     assert torch.equal(merged(w0, a, torch.zeros_like(b), 2.0), w0.float())  # B = 0: exactly W0
+
+
+class _Worker(MergeWorker):
+    """The worker extension on a stand-in worker: a model folder of layer 0's q/k/v in fp32, served in
+    `dtype`; reload_weights records what it was sent."""
+
+    def __init__(self, folder, dtype):
+        self.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=str(folder), dtype=dtype))
+        self.sent: list[dict[str, torch.Tensor]] = []
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        assert is_checkpoint_format
+        self.sent.append(dict(weights_iterator))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_worker_sends_each_fused_group_in_the_served_dtype_and_the_base_back_exactly(tmp_path, dtype):
+    from safetensors.torch import save_file
+
+    prefix = "model.layers.0.self_attn"
+    w0 = {
+        f"{prefix}.{p}.weight": torch.randn(8, 8, generator=torch.Generator().manual_seed(i))
+        for i, p in enumerate(["q_proj", "k_proj", "v_proj"])
+    }
+    (tmp_path / "model").mkdir()
+    save_file(w0, str(tmp_path / "model" / "model.safetensors"))
+    worker = _Worker(tmp_path / "model", dtype)
+    adapter = tiny_adapter(tmp_path / "a", r=2, value=0.5)  # q_proj only; scale 2
+    assert worker.tandem_merge(str(adapter))["weights"] == 3  # q with its fused k and v
+    q = f"{prefix}.q_proj.weight"
+    update = 2.0 * torch.full((8, 2), 0.5) @ torch.full((2, 8), 0.5)
+    expected = {n: (w + update if n == q else w).to(dtype) for n, w in w0.items()}
+    assert all(t.dtype == dtype for t in worker.sent[0].values())  # rounded once here, not by vLLM's loader
+    assert all(torch.equal(worker.sent[0][n], expected[n]) for n in w0)
+    worker.tandem_merge(None)  # back to the base: W0 of every touched group, exactly
+    assert all(torch.equal(worker.sent[1][n], w.to(dtype)) for n, w in w0.items())
+    assert worker.tandem_merge(None)["weights"] == 0  # nothing touched, nothing sent
 
 
 def test_read_adapter_maps_peft_keys_to_checkpoint_names(tmp_path):
