@@ -108,7 +108,8 @@ class DataConfig(Section):
     system_prompt: str | None = Field(default=None, description="a system message put before each prompt")
     prompt_template: str | None = Field(
         default=None,
-        description="the user message, a Python format string over {prompt} and the row's columns, e.g. "
+        description="the user message, a Python format string over {prompt} (and, for data.task = 'custom', "
+        "the row's columns), e.g. "
         "'{prompt}\\n\\nAnswer after ####.' (write {{ }} for literal braces). None: gsm8k/arith add their "
         "instruction to end with '#### <answer>'; custom uses the prompt as it is",
     )
