@@ -132,7 +132,12 @@ def test_the_demo_runs_larger_only_where_the_cpu_computes_in_bf16():
     assert demo.demo_choices("float32") == ["--model.dtype=auto"]  # cpu.toml's 2 prompts x 12 steps
     larger = demo.demo_choices("bfloat16")
     assert larger[0] == "--model.dtype=auto"
-    assert {"--learner.prompts_per_step=4", "--learner.steps=24", "--server.queue_size=8"} <= set(larger)
+    assert {
+        "--learner.prompts_per_step=4",
+        "--server.prompts_per_batch=8",
+        "--learner.steps=24",
+        "--server.queue_size=8",
+    } <= set(larger)
 
 
 def test_the_calculator_example_is_a_task_the_server_takes_and_scores_only_the_product(tmp_path):
