@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from shared.cli import check_trackers, parse_cli
+from shared.config import TandemConfig, check_server_urls
 
 DESCRIPTION = (
     "tandem learner: pulls scored groups from the rollout server, takes GRPO steps on a LoRA adapter "
@@ -26,8 +27,14 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
+def _check(cfg: TandemConfig) -> None:
+    """What --check-config checks for the learner besides the task (ConfigError: one line)."""
+    check_trackers(cfg)
+    check_server_urls(cfg)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, cfg = parse_cli("python -m learner", DESCRIPTION, argv, _args, check=check_trackers)
+    args, cfg = parse_cli("python -m learner", DESCRIPTION, argv, _args, check=_check)
     from learner.checkpoint import CheckpointError, check_out_dir
     from learner.client import ServerError
     from shared.config import ConfigError, check_batch_size
@@ -35,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         check_batch_size(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-        check_trackers(cfg)
+        _check(cfg)
         if int(os.environ.get("RANK", "0")) == 0:
             check_out_dir(Path(cfg.learner.out_dir), args.resume, cfg.learner.min_free_mb)
         model_path = resolve_model(cfg.model.name)

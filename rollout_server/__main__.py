@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from shared.cli import parse_cli
+from shared.config import ConfigError, check_exposure
 
 DESCRIPTION = (
     "tandem rollout server: samples G completions per prompt with vLLM (or HF), scores them with the "
@@ -14,7 +15,12 @@ DESCRIPTION = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    _, cfg = parse_cli("python -m rollout_server", DESCRIPTION, argv, lambda p: None)
+    _, cfg = parse_cli("python -m rollout_server", DESCRIPTION, argv, lambda p: None, check=check_exposure)
+    try:
+        check_exposure(cfg)  # before anything heavy: an open server never starts
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     from rollout_server.serve import serve  # heavy imports only after the config is known to be good
 
     return serve(cfg)

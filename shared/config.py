@@ -13,6 +13,7 @@ import json
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -203,6 +204,51 @@ def check_batch_size(cfg: TandemConfig, world_size: int) -> int:
             "(leave learner.grad_accum unset to have it derived)"
         )
     return per_step
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches: 127.0.0.0/8, ::1, localhost. A host name other
+    than localhost may resolve to anything, so it is not."""
+    import ipaddress
+
+    if host.strip("[]").lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(cfg: TandemConfig, environ: Mapping[str, str] = os.environ) -> None:
+    """A server bound beyond loopback with no token would take adapter uploads, leases and generation
+    from anyone who reaches its port; it refuses to start unless server.open_without_token says the
+    network is trusted. ConfigError (one line) naming the variable and the opt-out."""
+    s = cfg.server
+    if is_loopback(s.host) or environ.get(s.api_token_env) or s.open_without_token:
+        return
+    raise ConfigError(
+        f"server.host = {s.host!r} is reachable from the network and {s.api_token_env} is unset: set "
+        f"{s.api_token_env} to a random secret (the learner sends the same), or "
+        "--server.open_without_token=true on a network you trust"
+    )
+
+
+def check_server_urls(cfg: TandemConfig, environ: Mapping[str, str] = os.environ) -> None:
+    """The learner's side of check_exposure: a server it reaches over the network with no token to send
+    is either open to anyone or will refuse every request. ConfigError (one line) unless
+    server.open_without_token."""
+    from urllib.parse import urlsplit
+
+    s = cfg.server
+    if environ.get(s.api_token_env) or s.open_without_token:
+        return
+    remote = [u for u in cfg.learner.server_urls if not is_loopback(urlsplit(u).hostname or "")]
+    if remote:
+        raise ConfigError(
+            f"learner.server_urls: {remote[0]} is reached over the network and {s.api_token_env} is "
+            f"unset: set {s.api_token_env} to the server's token, or --server.open_without_token=true "
+            "on a network you trust"
+        )
 
 
 def _parse_value(raw: str) -> Any:

@@ -108,6 +108,12 @@ class ServerConfig(Section):
         description="environment variable holding the bearer token for mutating endpoints (unset or empty "
         "= no auth); the learner and the scripts send the token they find there",
     )
+    open_without_token: bool = Field(
+        default=False,
+        description="serve a non-loopback server.host with no token (anyone who reaches the port may "
+        "publish adapters, lease groups, generate): only on a network you trust. False: such a server "
+        "refuses to start",
+    )
     queue_size: int = Field(
         default=64,
         ge=1,

