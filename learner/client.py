@@ -191,6 +191,13 @@ class RolloutClient:
     def wake(self) -> P.SleepState:
         return self._post("/v1/wake", None, P.SleepState)
 
+    def pause_production(self) -> P.ProductionState:
+        """No new generation on the server until resume_production (what is in flight is queued)."""
+        return self._post("/v1/production/pause", None, P.ProductionState)
+
+    def resume_production(self) -> P.ProductionState:
+        return self._post("/v1/production/resume", None, P.ProductionState)
+
     def generate(self, request: P.GenerateRequest, timeout: float | None = None) -> P.GenerateResponse:
         return self._post("/v1/generate", request, P.GenerateResponse, timeout=timeout)
 

@@ -164,6 +164,7 @@ class ServerPool:
             members = self.live()
             self._turn += 1
             order = members[self._turn % len(members) :] + members[: self._turn % len(members)]
+            paused = True  # every server that answered has its production paused
             for i, m in enumerate(order):
                 last = time.monotonic() >= deadline
                 # first round: no waiting; then a short wait on one server at a time, in turn
@@ -172,8 +173,9 @@ class ServerPool:
                 if resp is not None and resp.groups:
                     m.groups += len(resp.groups)
                     return resp.model_copy(update={"lease_id": f"{m.index}{SEP}{resp.lease_id}"})
+                paused = paused and (resp is None or resp.paused)
             if time.monotonic() >= deadline:
-                return P.PullResponse(lease_id=None, lease_s=0.0, groups=[])
+                return P.PullResponse(lease_id=None, lease_s=0.0, groups=[], paused=paused)
 
     def _member(self, lease_id: str) -> tuple[Member, str]:
         index, sep, inner = lease_id.partition(SEP)

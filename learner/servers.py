@@ -71,6 +71,7 @@ def collect_groups(
     still open (learner.lag_steps), kept in the record."""
     need, lc = cfg.learner.prompts_per_step, cfg.learner
     pulled, spare, rounds, t0 = Pulled([], []), [], 0, time.perf_counter()
+    told_paused = False
     while len(pulled.groups) < need:
         filtering = lc.dynamic_sampling and rounds < lc.max_pull_rounds
         if not filtering and spare:  # the bound is hit: degenerate groups fill the gap
@@ -83,6 +84,13 @@ def collect_groups(
         _record(client, out, [*holding, *pulled.lease_ids, PULLING + request_id], pulled.lease_ids)
         resp = client.pull(need - len(pulled.groups), wait_s=lc.pull_wait_s, request_id=request_id)
         rounds += 1
+        if resp.paused and not resp.groups and not told_paused:
+            told_paused = True
+            print(
+                "[learner] the rollout server's production is paused (POST /v1/production/pause): "
+                "waiting for groups until it is resumed (POST /v1/production/resume)",
+                flush=True,
+            )
         kept = 0
         for g in resp.groups:
             if is_stale(g, version, lc.max_staleness, floor_version):

@@ -133,6 +133,10 @@ class Server:
             raise HTTPException(422, f"{e}: send whole conversations in 'messages' instead") from None
 
     @property
+    def paused(self) -> bool:
+        return self.producer.paused
+
+    @property
     def vocab_size(self) -> int:
         return len(self.backend.tokenizer)
 
@@ -279,6 +283,7 @@ async def health(s: Server = Depends(server_of)):
         model=s.cfg.model.name,
         policy_version=s.policy.version,
         sleeping=s.producer.sleeping,
+        paused=s.paused,
         group_size=s.cfg.sampling.group_size,
         queue_depth=s.queue.depth,
         leased=s.queue.leased,
@@ -292,7 +297,7 @@ async def metrics(s: Server = Depends(server_of)):
 
 
 @router.post("/v1/groups/pull", response_model=P.PullResponse)
-async def pull(req: P.PullRequest, s: Server = Depends(server_of)):
+async def pull(req: P.PullRequest, request: Request, s: Server = Depends(server_of)):
     # Asleep with nothing queued, no group can come before a wake: answer now rather than hold the
     # connection for wait_s.
     wait_s = 0.0 if s.producer.sleeping and s.queue.depth == 0 else req.wait_s
@@ -300,10 +305,40 @@ async def pull(req: P.PullRequest, s: Server = Depends(server_of)):
     if again is not None:
         lease_id, groups = again
         return P.PullResponse(lease_id=lease_id, lease_s=s.queue.lease_s if lease_id else 0.0, groups=groups)
-    lease_id, groups = await s.queue.pull(req.max_groups, wait_s, req.request_id)
+    lease_id, groups = await _pull_while_connected(s, req, wait_s, request)
     if lease_id:
         s.events.write("lease", lease_id=lease_id, group_ids=[g.group_id for g in groups])
-    return P.PullResponse(lease_id=lease_id, lease_s=s.queue.lease_s if lease_id else 0.0, groups=groups)
+    return P.PullResponse(
+        lease_id=lease_id, lease_s=s.queue.lease_s if lease_id else 0.0, groups=groups, paused=s.paused
+    )
+
+
+async def _pull_while_connected(
+    s: Server, req: P.PullRequest, wait_s: float, request: Request
+) -> tuple[str | None, list[P.ScoredGroup]]:
+    """queue.pull, given up when the puller's connection closes while it waits: a learner killed mid-pull
+    would otherwise be leased groups nobody acks, holding queue slots until server.lease_s ran out."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    pulling = asyncio.ensure_future(s.queue.pull(req.max_groups, wait_s, req.request_id))
+    gone = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({pulling, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (pulling, gone):
+            task.cancel()  # nothing once done; a pull is cancelled only while it waits, before leasing
+        await asyncio.gather(pulling, gone, return_exceptions=True)
+    lease_id, groups = (None, []) if pulling.cancelled() else pulling.result()
+    if gone.done() and not gone.cancelled():
+        if lease_id:  # leased as the connection closed: the groups go back at once
+            await s.queue.release(lease_id)
+            s.events.write("release", lease_id=lease_id, released=len(groups), why="puller gone")
+        log.info("a pull's connection closed while it waited; nothing leased to it")
+        return None, []
+    return lease_id, groups
 
 
 @router.post("/v1/groups/ack", response_model=P.AckResponse)
@@ -316,7 +351,8 @@ async def ack(req: P.AckRequest, s: Server = Depends(server_of)):
 @router.post("/v1/groups/release", response_model=P.ReleaseResponse)
 async def release(req: P.ReleaseRequest, s: Server = Depends(server_of)):
     lease_id = req.lease_id if req.request_id is None else s.queue.lease_of(req.request_id)
-    if lease_id is None:  # that pull got no lease, or it was settled since
+    if lease_id is None:  # that pull got no lease (yet: if it still waits, it gets none), or it was settled
+        s.queue.withdraw(req.request_id)
         return P.ReleaseResponse(released=0)
     released = await s.queue.release(lease_id)
     s.events.write("release", lease_id=lease_id, released=released)
@@ -413,3 +449,17 @@ async def wake(s: Server = Depends(server_of)):
         async with _engine(s):
             await s.producer.wake()
     return P.SleepState(sleeping=False)
+
+
+@router.post("/v1/production/pause", response_model=P.ProductionState)
+async def pause_production(s: Server = Depends(server_of)):
+    """No new generation batch starts (the one in flight finishes and is queued) until /resume; pulls
+    get what is queued. For evaluation or re-scoring after training, without groups nobody takes."""
+    s.producer.pause()
+    return P.ProductionState(paused=True)
+
+
+@router.post("/v1/production/resume", response_model=P.ProductionState)
+async def resume_production(s: Server = Depends(server_of)):
+    s.producer.resume()
+    return P.ProductionState(paused=False)

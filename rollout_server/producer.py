@@ -1,11 +1,12 @@
 """The producer: prompts in a deterministic order -> G samples each -> the reward functions -> ScoredGroups
 stamped with the policy version that produced them -> the lease queue.
 
-Production pauses while the queue is full and while asleep. A sleep cancels the batch in flight; its
-prompts are not counted as consumed, so they are generated again after the wake. The cursor (epoch,
-position) is saved with every batch's groups in the queue's journal, so a restarted server, stopped or
-killed, continues where it was and takes back its queue (groups waiting and leased): the prompts the
-cursor has passed are trained on once, not skipped.
+Production pauses while the queue is full, while asleep and while paused (POST /v1/production/pause: the
+batch in flight finishes and is queued, no new one starts until a resume). A sleep cancels the batch
+in flight; its prompts are not counted as consumed, so they are generated again after the wake. The
+cursor (epoch, position) is saved with every batch's groups in the queue's journal, so a restarted
+server, stopped or killed, continues where it was and takes back its queue (groups waiting and leased):
+the prompts the cursor has passed are trained on once, not skipped.
 """
 
 from __future__ import annotations
@@ -139,6 +140,8 @@ class Producer:
             self.cursor = Cursor(*saved[:2])
         self._awake = asyncio.Event()
         self._awake.set()
+        self._producing = asyncio.Event()  # cleared by pause(): no new batch until resume()
+        self._producing.set()
         self._batch: asyncio.Task | None = None
         self._halted = False  # server shutdown: no new batch
         self._failing_batches = 0  # verifiers batches in a row in which every episode failed
@@ -203,6 +206,22 @@ class Producer:
         self.metrics.sleeping.set(0)
         self.events.write("wake")
 
+    # -- pause / resume (POST /v1/production/*): the engine stays awake for other work --------------
+    @property
+    def paused(self) -> bool:
+        return not self._producing.is_set()
+
+    def pause(self) -> None:
+        """Start no new batch; the one in flight finishes and its groups are queued."""
+        if not self.paused:
+            self._producing.clear()
+            self.events.write("pause")
+
+    def resume(self) -> None:
+        if self.paused:
+            self._producing.set()
+            self.events.write("resume")
+
     # -- the loop ------------------------------------------------------------------------------------
     def halt(self) -> None:
         """Start no batch after the one in flight (server shutdown; stop() then cancels that one)."""
@@ -218,8 +237,9 @@ class Producer:
     async def run(self) -> None:
         while not self._halted:
             await self._awake.wait()
+            await self._producing.wait()
             await self.queue.wait_for_space()
-            if self.sleeping or self._halted:
+            if self.sleeping or self.paused or self._halted:
                 continue
             batch = self._peek(min(self.cfg.server.prompts_per_batch, self.queue.space()))
             adapter = self.policy.acquire()

@@ -57,6 +57,7 @@ class LeaseQueue:
         self._leases: dict[str, _Lease] = {}
         self._expired: dict[str, list[str]] = {}  # lease id -> group ids returned to the queue
         self._requests: dict[str, str] = {}  # a puller's request id -> the lease it got (for its retries)
+        self._withdrawn: dict[str, None] = {}  # request ids released before their pull was answered
         self._changed = asyncio.Condition()
         self.closed = False  # the server is shutting down: pulls answer at once
         self.expired_total = 0  # groups returned by expiry
@@ -131,6 +132,14 @@ class LeaseQueue:
         """The lease a pull of `request_id` got, while it is held."""
         return (self.answered(request_id) or (None, []))[0]
 
+    def withdraw(self, request_id: str) -> None:
+        """The puller of `request_id` is gone (its successor released the pull, or its connection closed)
+        before the pull was answered: a pull still waiting under that id, or arriving later, leases
+        nothing. Remembered for the recent ones, as answers are."""
+        self._withdrawn[request_id] = None
+        if len(self._withdrawn) > 1024:
+            del self._withdrawn[next(iter(self._withdrawn))]
+
     def answered(self, request_id: str) -> tuple[str | None, list[ScoredGroup]] | None:
         """What a pull of `request_id` got, if one was answered: a retry whose answer was lost on the way
         (a reset connection, a timeout) gets the same lease again, or nothing when that lease was settled
@@ -144,9 +153,13 @@ class LeaseQueue:
     async def pull(
         self, max_groups: int, wait_s: float, request_id: str | None = None
     ) -> tuple[str | None, list[ScoredGroup]]:
+        """Lease up to `max_groups`, waiting up to `wait_s` for the first. A pull whose request id was
+        withdrawn meanwhile (its puller is gone) ends within a second with nothing leased."""
         deadline = self._clock() + wait_s
         async with self._changed:
             while True:
+                if request_id in self._withdrawn:
+                    return None, []
                 self.expire()
                 if self._ready:
                     break

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = "5"  # 5: /health lists an external engine's endpoints (Health.engines)
+PROTOCOL_VERSION = "6"  # 6: production can be paused (/v1/production/*, Health.paused, PullResponse.paused)
 
 MAX_VERSION = 2**31 - 1  # versions are engine adapter ids (int32 in vLLM) and file names
 Version = Annotated[
@@ -127,6 +127,8 @@ class PullResponse(_Model):
     lease_id: str | None
     lease_s: float = Field(ge=0.0, description="seconds until un-acked groups return to the queue")
     groups: list[ScoredGroup]
+    # production is paused (POST /v1/production/pause): what is queued is all there is until a resume
+    paused: bool = False
 
 
 class AckRequest(_Model):
@@ -163,6 +165,7 @@ class Health(_Model):
     model: str
     policy_version: Version
     sleeping: bool
+    paused: bool = False  # POST /v1/production/pause: no new generation until /v1/production/resume
     group_size: int = Field(ge=2)
     queue_depth: int = Field(ge=0)
     leased: int = Field(ge=0)
@@ -262,3 +265,10 @@ class ScoreResponse(_Model):
 
 class SleepState(_Model):
     sleeping: bool
+
+
+class ProductionState(_Model):
+    """POST /v1/production/pause and /resume: paused, the server starts no new generation (what is in
+    flight finishes and is queued); the engine stays awake for evaluation and the OpenAI routes."""
+
+    paused: bool

@@ -349,3 +349,107 @@ def test_an_environment_that_fails_every_episode_stops_the_server_with_the_reaso
         # the batch with a good episode reset the count: 1 + 1 + FAILING_BATCHES batches were played
         queued = c.app.state.server.queue.depth
         assert queued == 2 * (2 + FAILING_BATCHES - 1)
+
+
+def test_paused_production_queues_the_batch_in_flight_starts_no_other_and_resumes(tmp_path, monkeypatch):
+    release = asyncio.Event()
+    backend = FakeBackend(release=release)
+    app = fake_app(tmp_path, backend)
+    with TestClient(app) as c:
+        deadline = time.monotonic() + 10
+        while not backend.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.calls == [(2, 4)]  # the first batch is in the engine, held there
+        assert c.post("/v1/production/pause").json() == {"paused": True}
+        assert c.get("/health").json()["paused"]
+        app.state.loop.call_soon_threadsafe(release.set)
+        body = _pull(c, 4)  # the batch in flight finished and was queued, not thrown away
+        assert [g["prompt_id"] for g in body["groups"]] == [PROBLEMS[i].id for i in ORDER[:2]]
+        assert body["paused"]
+        # Unpaused, the fake engine fills the queue in milliseconds; paused, nothing more is asked of it.
+        empty = _pull(c, 4, wait_s=0.5)
+        assert empty["groups"] == [] and empty["lease_id"] is None and empty["paused"]
+        assert backend.calls == [(2, 4)]
+        assert c.post("/v1/production/pause").json() == {"paused": True}  # idempotent
+        assert c.post("/v1/production/resume").json() == {"paused": False}
+        after = _pull(c, 2)
+        assert [g["prompt_id"] for g in after["groups"]] == [PROBLEMS[i].id for i in ORDER[2:4]]
+        assert not after["paused"] and not c.get("/health").json()["paused"]
+        lines = (tmp_path / "state" / "events.jsonl").read_text().splitlines()
+        events = [json.loads(x)["event"] for x in lines]
+        assert events.count("pause") == 1 and events.count("resume") == 1
+    # Token-protected like every POST.
+    monkeypatch.setenv("TANDEM_API_TOKEN", "s3cret")
+    with TestClient(fake_app(tmp_path / "b", FakeBackend())) as c:
+        for path in ("/v1/production/pause", "/v1/production/resume"):
+            assert c.post(path).status_code == 401
+        assert c.post("/v1/production/pause", headers={"Authorization": "Bearer s3cret"}).json()["paused"]
+
+
+def test_a_pull_whose_puller_is_gone_leases_nothing(tmp_path):
+    """A learner killed while its pull waits: its connection closes, and the groups that come later are
+    not leased to it (they held queue slots for server.lease_s before)."""
+    from rollout_server.app import _pull_while_connected
+
+    backend = FakeBackend(release=asyncio.Event())
+    app = fake_app(tmp_path, backend)
+
+    class Gone:
+        """A request whose client disconnects when `closed` is set."""
+
+        def __init__(self):
+            self.closed = asyncio.Event()
+
+        async def receive(self):
+            await self.closed.wait()
+            return {"type": "http.disconnect"}
+
+    async def body(s):
+        req = P.PullRequest(max_groups=2, wait_s=30, request_id="dead-learner")
+        gone = Gone()
+        pulling = asyncio.ensure_future(_pull_while_connected(s, req, 30, gone))
+        await asyncio.sleep(0.2)
+        assert not pulling.done()  # waiting for groups
+        gone.closed.set()
+        assert await asyncio.wait_for(pulling, 5) == (None, [])
+        backend.release.set()  # now the groups come
+        while s.queue.depth < 2:
+            await asyncio.sleep(0.01)
+        assert s.queue.leased == 0 and s.queue.lease_of("dead-learner") is None
+
+        # Leased just as the connection closed: given back at once.
+        gone = Gone()
+        gone.closed.set()
+        assert await _pull_while_connected(s, req.model_copy(update={"request_id": "x"}), 30, gone) == (
+            None,
+            [],
+        )
+        assert s.queue.leased == 0 and s.queue.depth >= 2
+
+    with TestClient(app):
+        s = app.state.server
+        asyncio.run_coroutine_threadsafe(body(s), app.state.loop).result(timeout=30)
+
+
+def test_a_release_by_request_id_also_stops_the_pull_still_waiting_under_it(tmp_path):
+    backend = FakeBackend(release=asyncio.Event())
+    app = fake_app(tmp_path, backend)
+    with TestClient(app) as c:
+        import threading
+
+        answer = {}
+        body = {"max_groups": 2, "wait_s": 30, "request_id": "learner-dead"}
+        waiting = threading.Thread(target=lambda: answer.update(c.post("/v1/groups/pull", json=body).json()))
+        waiting.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        # the restarted learner releases its predecessor's pull, which has no lease yet
+        assert c.post("/v1/groups/release", json={"request_id": "learner-dead"}).json() == {"released": 0}
+        waiting.join(timeout=10)
+        assert answer["lease_id"] is None and answer["groups"] == []
+        assert time.monotonic() - t0 < 3  # ended within a second or so, not at its 30 s
+        app.state.loop.call_soon_threadsafe(backend.release.set)
+        while c.get("/health").json()["queue_depth"] < 2:
+            time.sleep(0.01)
+        again = c.post("/v1/groups/pull", json={**body, "wait_s": 0}).json()  # a late retry of it
+        assert again["groups"] == [] and c.get("/health").json()["leased"] == 0
