@@ -35,6 +35,9 @@ def _check(cfg: TandemConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, cfg = parse_cli("python -m learner", DESCRIPTION, argv, _args, check=_check)
+    from learner.process import Stop
+
+    stop = Stop()  # before the heavy imports: a SIGTERM from here on is a clean stop (exit 0)
     from learner.checkpoint import CheckpointError, check_out_dir
     from learner.client import ServerError
     from shared.config import ConfigError, check_batch_size
@@ -48,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         model_path = resolve_model(cfg.model.name)
         from learner.train import run  # torch, transformers, deepspeed: only once the config is good
 
-        return run(cfg, model_path, args.resume)
+        if stop.requested:
+            print("[learner] stopped before the run began: nothing to save", flush=True)
+            return 0
+        return run(cfg, model_path, args.resume, stop)
     except (ConfigError, ModelError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

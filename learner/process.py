@@ -1,5 +1,6 @@
 """The learner as a process: stop signals, compute threads, how freed memory is kept, and the crash points
-the fault tests kill it at."""
+the fault tests kill it at. Imports nothing heavy at module level: the stop handler is installed before
+torch and DeepSpeed are imported (learner/__main__.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ import ctypes
 import os
 import signal
 import time
-
-import torch
 
 
 def crash_point(name: str, step: int) -> None:
@@ -51,6 +50,8 @@ def pin_threads(n: int | None, log) -> None:
     on the same machine takes the first ones, server.vllm.cpu_threads)."""
     if n is None:
         return
+    import torch
+
     cores = sorted(os.sched_getaffinity(0))
     mine = cores[-n:]
     os.sched_setaffinity(0, mine)

@@ -162,6 +162,8 @@ def _loop(run: _Run, state: ckpt.State) -> None:
     handoff_s, queue_depth = 0.0, 0.0  # the previous step's ack + publish + wake
     t_step = time.perf_counter()
     while state.step < cfg.learner.steps:
+        if broadcast_object(run.stop.requested):  # stopped before this step began (while building)
+            return
         pulled = _next_batch(run, state)
         if pulled is None:  # stopped while waiting for the server: the last step's checkpoint stands
             return
@@ -213,13 +215,14 @@ def _loop(run: _Run, state: ckpt.State) -> None:
         t_step = time.perf_counter() - handoff_s  # a step's time includes the handoff before it
 
 
-def run(cfg: TandemConfig, model_path: str, resume: bool) -> int:
+def run(cfg: TandemConfig, model_path: str, resume: bool, stop: Stop | None = None) -> int:
+    """`stop`: the stop handler, installed before the heavy imports (learner/__main__.py)."""
     rank, world, on_cpu = init_distributed()
     check_batch_size(cfg, world)
     out = Path(cfg.learner.out_dir)
     lead = rank == 0
     log = (lambda *a: print("[learner]", *a, flush=True)) if lead else (lambda *a: None)
-    stop = Stop()
+    stop = stop or Stop()
     torch.manual_seed(cfg.learner.seed)  # the same LoRA init on every rank
     if on_cpu:
         pin_threads(cfg.learner.threads, log)

@@ -172,7 +172,10 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         log.info("starting %s backend for %s", cfg.server.backend, model_path)
-        server = Server(cfg, await backend_factory(), problems, model_path)
+        app.state.engine_starting = True  # a stop signal now ends the process at once (serve.py)
+        backend = await backend_factory()
+        app.state.engine_starting = False
+        server = Server(cfg, backend, problems, model_path)
         server.metrics.prompts_too_long.inc(skipped_prompts)
         await server.policy.restore()
         app.state.loop = asyncio.get_running_loop()

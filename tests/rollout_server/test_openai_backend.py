@@ -290,3 +290,39 @@ def test_sampler_and_score_logprobs_are_read_per_token(tokenizer):
         await backend.close()
 
     asyncio.run(run())
+
+
+def test_each_endpoint_is_probed_once_at_start_and_again_when_it_comes_back(
+    tokenizer, model_dir, monkeypatch
+):
+    """serve() checks the endpoints before the server starts (a bad one is one line, exit 2) and then
+    creates the backend: the probe (it samples and scores on the engine) runs once, not twice."""
+    engines = {"http://a:8000": FakeEngine(tokenizer), "http://b:8000": FakeEngine(tokenizer)}
+    probes = {u: 0 for u in engines}
+
+    def handle(request):
+        url = f"http://{request.url.host}:{request.url.port}"
+        probes[url] += request.url.path == "/v1/models"
+        return engines[url].handle(request)
+
+    real = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real(transport=httpx.MockTransport(handle)))
+    cfg = TandemConfig.model_validate(
+        {"server": {"backend": "openai", "openai": {"endpoints": list(engines), "probe_s": 0.05}}}
+    )
+    inspected = asyncio.run(OpenAIBackend.check(cfg, model_dir))
+    assert inspected == {"http://a:8000": "base", "http://b:8000": "base"}
+    assert probes == {"http://a:8000": 1, "http://b:8000": 1}
+
+    async def start_then_lose_b():
+        backend = await OpenAIBackend.create(cfg, model_dir, inspected)
+        assert [ep.up for ep in backend.endpoints] == [True, True]
+        assert probes == {"http://a:8000": 1, "http://b:8000": 1}  # not probed again
+        b = backend.endpoints[1]
+        b.up = False  # lost; brought back by the watcher, which probes it again (it may have restarted)
+        while not b.up:
+            await asyncio.sleep(0.02)
+        await backend.close()
+
+    asyncio.run(start_then_lose_b())
+    assert probes == {"http://a:8000": 1, "http://b:8000": 2}

@@ -11,6 +11,7 @@ import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +20,17 @@ from learner.client import ServerError
 from shared.config import load_config
 from shared.datasets import chat_prompt_ids, load_problems
 from shared.reward import verify
-from tests.helpers import TOKEN, make_adapter, make_nan_adapter, start_server
+from tests.helpers import (
+    TOKEN,
+    Proc,
+    free_port,
+    make_adapter,
+    make_nan_adapter,
+    proc_env,
+    server_args,
+    start_server,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -515,3 +526,42 @@ def test_sigterm_shuts_the_server_down_cleanly(server):
     shutdown = log[log.rindex("Shutting down") :]
     assert "Traceback" not in shutdown and "ERROR" not in shutdown, log[-4000:]
     assert "Exception ignored" not in shutdown, log[-4000:]
+
+
+def test_sigterm_while_the_engine_starts_ends_the_server_within_shutdown_s(tmp_path, procs, model_dir):
+    """vLLM's start blocks the server's event loop for ~20 s here (minutes with a large model on a GPU);
+    a stop then used to wait for all of it. Now it ends the server at once, with 0, and the engine's
+    process with it: nothing was produced or leased yet."""
+    port = free_port()
+    args = server_args("deploy/configs/cpu.toml", port, tmp_path / "server", OVERRIDES)
+    proc = Proc([*args, "--server.backend=vllm"], tmp_path / "server.log", proc_env())
+    procs.append(proc)
+    wait_for("the engine starts", lambda: "starting vllm backend" in proc.log(), [proc], timeout=300)
+    # inside vLLM's start: its engine process exists (it loads the model, then warms up, ~15 s here)
+    wait_for("vLLM's engine process", lambda: _children(proc.pid), [proc], timeout=120)
+    engines = _children(proc.pid)
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0, proc.log()[-4000:]
+    assert time.monotonic() - t0 < 10  # server.shutdown_s
+    assert "SIGTERM while the engine was starting: nothing produced yet; exiting" in proc.log()
+    assert "ready: serving" not in proc.log()
+    # the engine process is stopped with it; multiprocessing's resource tracker leaves in a second or two
+    deadline = time.monotonic() + 10
+    while [pid for pid in engines if os.path.exists(f"/proc/{pid}")]:
+        assert time.monotonic() < deadline, "a child of the server outlived it"
+        time.sleep(0.1)
+
+
+def _children(pid: int) -> list[int]:
+    """The process ids of `pid`'s children, from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
