@@ -456,9 +456,10 @@ async def wake(s: Server = Depends(server_of)):
 
 @router.post("/v1/production/pause", response_model=P.ProductionState)
 async def pause_production(s: Server = Depends(server_of)):
-    """No new generation batch starts (the one in flight finishes and is queued) until /resume; pulls
-    get what is queued. For evaluation or re-scoring after training, without groups nobody takes."""
-    s.producer.pause()
+    """No new generation batch starts until /resume; answered once the batch in flight, if any, has
+    finished and been queued (then no group appears until the resume). Pulls get what is queued. For
+    evaluation or re-scoring after training, without generating groups nobody takes."""
+    await s.producer.pause()
     return P.ProductionState(paused=True)
 
 

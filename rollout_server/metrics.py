@@ -52,6 +52,9 @@ class ServerMetrics:
             "tandem_last_group_timestamp_seconds", "unix time of the last group", registry=r
         )
         Gauge("tandem_queue_depth", "groups waiting", registry=r).set_function(lambda: queue.depth)
+        Gauge("tandem_pulls_waiting", "pulls waiting for groups", registry=r).set_function(
+            lambda: queue.waiting
+        )
         Gauge("tandem_groups_leased", "groups leased, not yet acked", registry=r).set_function(
             lambda: queue.leased
         )

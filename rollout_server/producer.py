@@ -142,6 +142,8 @@ class Producer:
         self._awake.set()
         self._producing = asyncio.Event()  # cleared by pause(): no new batch until resume()
         self._producing.set()
+        self._between_batches = asyncio.Event()  # clear from a batch's start until its groups are queued
+        self._between_batches.set()
         self._batch: asyncio.Task | None = None
         self._halted = False  # server shutdown: no new batch
         self._failing_batches = 0  # verifiers batches in a row in which every episode failed
@@ -211,11 +213,13 @@ class Producer:
     def paused(self) -> bool:
         return not self._producing.is_set()
 
-    def pause(self) -> None:
-        """Start no new batch; the one in flight finishes and its groups are queued."""
+    async def pause(self) -> None:
+        """Start no new batch; returns once the batch in flight, if any, has ended (its groups queued):
+        from then on no group appears until resume()."""
         if not self.paused:
             self._producing.clear()
             self.events.write("pause")
+        await self._between_batches.wait()
 
     def resume(self) -> None:
         if self.paused:
@@ -241,31 +245,40 @@ class Producer:
             await self.queue.wait_for_space()
             if self.sleeping or self.paused or self._halted:
                 continue
-            batch = self._peek(min(self.cfg.server.prompts_per_batch, self.queue.space()))
-            adapter = self.policy.acquire()
+            self._between_batches.clear()
             try:
-                self._batch = asyncio.create_task(self._make_groups(batch, adapter))
-                await asyncio.wait({self._batch})  # not cancelled with the batch: see sleep()
+                await self._one_batch()
             finally:
-                await self.policy.release(adapter)
-            if self._batch.cancelled():
-                continue  # put to sleep mid-batch: the same prompts go again after the wake
-            error = self._batch.exception()
-            if self._halted:
-                # Shutting down, however the batch ended (the engine may have aborted it or died on the
-                # same stop signal): nobody will pull its groups; its prompts go again at the restart.
-                return
-            if isinstance(error, GenerationAborted):
-                log.warning("generation batch aborted by the engine (%s); its prompts go again", error)
-                continue
-            groups = self._batch.result()
-            after = self._advanced(len(batch))
-            # on disk with the groups, in one line: a kill after it neither skips nor repeats their prompts
-            await self.queue.put(groups, cursor=(after.epoch, after.position, len(self.problems)))
-            self.cursor = after
-            self._save_cursor()
-            for g in groups:
-                self.events.write("group", group_id=g.group_id, version=g.policy_version)
+                self._between_batches.set()
+
+    async def _one_batch(self) -> None:
+        """The next prompts -> groups -> the queue, with the cursor; nothing queued if the batch is
+        cancelled (sleep), aborted by the engine or the server is shutting down."""
+        batch = self._peek(min(self.cfg.server.prompts_per_batch, self.queue.space()))
+        adapter = self.policy.acquire()
+        try:
+            self._batch = asyncio.create_task(self._make_groups(batch, adapter))
+            await asyncio.wait({self._batch})  # not cancelled with the batch: see sleep()
+        finally:
+            await self.policy.release(adapter)
+        if self._batch.cancelled():
+            return  # put to sleep mid-batch: the same prompts go again after the wake
+        error = self._batch.exception()
+        if self._halted:
+            # Shutting down, however the batch ended (the engine may have aborted it or died on the
+            # same stop signal): nobody will pull its groups; its prompts go again at the restart.
+            return
+        if isinstance(error, GenerationAborted):
+            log.warning("generation batch aborted by the engine (%s); its prompts go again", error)
+            return
+        groups = self._batch.result()
+        after = self._advanced(len(batch))
+        # on disk with the groups, in one line: a kill after it neither skips nor repeats their prompts
+        await self.queue.put(groups, cursor=(after.epoch, after.position, len(self.problems)))
+        self.cursor = after
+        self._save_cursor()
+        for g in groups:
+            self.events.write("group", group_id=g.group_id, version=g.policy_version)
 
     async def _make_groups(self, batch: list[tuple[int, Problem]], adapter) -> list[ScoredGroup]:
         version = adapter.version if adapter else 0

@@ -60,6 +60,7 @@ class LeaseQueue:
         self._withdrawn: dict[str, None] = {}  # request ids released before their pull was answered
         self._changed = asyncio.Condition()
         self.closed = False  # the server is shutting down: pulls answer at once
+        self.waiting = 0  # pulls waiting for groups now
         self.expired_total = 0  # groups returned by expiry
         self.acked_total = 0
         self.journal: Journal | None = None  # every change on disk before it is answered, once attached
@@ -157,16 +158,20 @@ class LeaseQueue:
         withdrawn meanwhile (its puller is gone) ends within a second with nothing leased."""
         deadline = self._clock() + wait_s
         async with self._changed:
-            while True:
-                if request_id in self._withdrawn:
-                    return None, []
-                self.expire()
-                if self._ready:
-                    break
-                remaining = deadline - self._clock()
-                if remaining <= 0 or self.closed:
-                    return None, []
-                await self._wait(min(remaining, 1.0))
+            self.waiting += 1
+            try:
+                while True:
+                    if request_id in self._withdrawn:
+                        return None, []
+                    self.expire()
+                    if self._ready:
+                        break
+                    remaining = deadline - self._clock()
+                    if remaining <= 0 or self.closed:
+                        return None, []
+                    await self._wait(min(remaining, 1.0))
+            finally:
+                self.waiting -= 1
             groups = list(itertools.islice(self._ready, max_groups))
             lease_id = uuid.uuid4().hex
             self._write({"lease": lease_id, "ids": [g.group_id for g in groups], "request": request_id})

@@ -73,6 +73,7 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
             client.url, out, tmp_path / "learner.log", [*task, *SMALL_LEARNER, "--learner.steps=2"]
         )
         assert learner.wait(timeout=900) == 0, learner.log()[-5000:]
+        client.pause_production()  # trained: what follows has the engine to itself
         assert client.health().policy_version == 2
         metrics_text = httpx.get(f"{client.url}/metrics", timeout=30).text
     finally:

@@ -70,6 +70,7 @@ def _train(tmp_path, name: str, task: list[str]) -> tuple[list[dict], list[dict]
     )
     try:
         assert learner.wait(timeout=900) == 0, learner.log()[-5000:]
+        client.pause_production()  # trained: what follows has the engine to itself
         assert client.health().policy_version == 2
         steps = [json.loads(line) for line in (out / "groups.jsonl").read_text().splitlines()]
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -129,6 +129,7 @@ def test_an_external_engine_killed_mid_run_is_brought_back_to_the_served_version
         engine.proc = engine.start()
         wait_healthy(engine.proc, engine.url, 600)
         assert learner.wait(timeout=900) == 0, learner.log()[-5000:]
+        client.pause_production()  # trained: what follows has the engine to itself
         health = client.health()
         assert health.policy_version == 3 and health.engines[0]["up"] and 3 in health.engines[0]["versions"]
         events = _events(tmp_path)
@@ -156,6 +157,7 @@ def test_two_external_engines_both_sample_and_are_brought_to_every_version(tmp_p
     procs.append(learner)
     try:
         assert learner.wait(timeout=900) == 0, learner.log()[-5000:]
+        client.pause_production()  # trained: what follows has the engine to itself
         health = client.health()
         assert health.policy_version == 2
         assert [(e["url"], e["up"], 2 in e["versions"]) for e in health.engines] == [

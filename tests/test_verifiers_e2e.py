@@ -50,6 +50,7 @@ def test_two_steps_on_a_verifiers_environment_of_two_turns(tmp_path, model_dir):
     )  # fmt: skip
     try:
         assert learner.wait(timeout=900) == 0, learner.log()[-5000:]
+        client.pause_production()  # trained: what follows has the engine to itself
         steps = [json.loads(line) for line in (out / "groups.jsonl").read_text().splitlines()]
         metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         rescored = rescore(client, steps)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -360,9 +361,18 @@ def test_paused_production_queues_the_batch_in_flight_starts_no_other_and_resume
         while not backend.calls and time.monotonic() < deadline:
             time.sleep(0.01)
         assert backend.calls == [(2, 4)]  # the first batch is in the engine, held there
-        assert c.post("/v1/production/pause").json() == {"paused": True}
-        assert c.get("/health").json()["paused"]
+        answer = {}
+        pausing = threading.Thread(target=lambda: answer.update(c.post("/v1/production/pause").json()))
+        pausing.start()
+        deadline = time.monotonic() + 10
+        while not c.get("/health").json()["paused"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        pausing.join(timeout=0.3)
+        assert pausing.is_alive()  # answered only once the batch in flight is queued
         app.state.loop.call_soon_threadsafe(release.set)
+        pausing.join(timeout=10)
+        assert answer == {"paused": True} and c.get("/health").json()["queue_depth"] == 2
         body = _pull(c, 4)  # the batch in flight finished and was queued, not thrown away
         assert [g["prompt_id"] for g in body["groups"]] == [PROBLEMS[i].id for i in ORDER[:2]]
         assert body["paused"]
@@ -435,8 +445,6 @@ def test_a_release_by_request_id_also_stops_the_pull_still_waiting_under_it(tmp_
     backend = FakeBackend(release=asyncio.Event())
     app = fake_app(tmp_path, backend)
     with TestClient(app) as c:
-        import threading
-
         answer = {}
         body = {"max_groups": 2, "wait_s": 30, "request_id": "learner-dead"}
         waiting = threading.Thread(target=lambda: answer.update(c.post("/v1/groups/pull", json=body).json()))

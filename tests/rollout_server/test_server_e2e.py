@@ -9,8 +9,11 @@ import math
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -21,6 +24,7 @@ from shared.config import load_config
 from shared.datasets import chat_prompt_ids, load_problems
 from shared.reward import verify
 from tests.helpers import (
+    REPO,
     TOKEN,
     Proc,
     free_port,
@@ -509,6 +513,39 @@ def test_lm_eval_harness_agrees_with_learner_evaluate(server, tmp_path, tokenize
         right += sums.index(max(sums)) == tandem_tasks.mc_target(doc)
     print(f"multiple choice: lm_eval acc {mc:.3f}, from /v1/score {right / limit:.3f}")
     assert abs(mc - right / limit) * limit <= 1 + 1e-9
+
+
+def test_a_learner_killed_while_its_pull_waits_is_leased_nothing(server):
+    """Found by a randomised kill run: a learner SIGKILLed while its pull waited was leased the next
+    groups ~40 s later, after its successor had released that pull's id (nothing leased yet then); they
+    held queue slots until server.lease_s ran out. The pull here is the learner's own client code."""
+    _, _, client, _ = server
+    assert client.pause_production().paused  # answered once the batch in flight is queued
+    _drain(client)
+    request_id = uuid.uuid4().hex
+    code = (
+        "from learner.client import RolloutClient; "
+        f"RolloutClient({client.url!r}, token={TOKEN!r}).pull(2, wait_s=300, request_id={request_id!r})"
+    )
+    puller = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=proc_env())
+    try:
+        wait_for("the pull waits at the server", lambda: _metric(client, "tandem_pulls_waiting") == 1, [])
+        puller.kill()
+        puller.wait(timeout=30)
+        # the connection closed: the server gives the pull up at once, not when groups come
+        wait_for("the dead pull is given up", lambda: _metric(client, "tandem_pulls_waiting") == 0, [], 30)
+    finally:
+        puller.kill()
+    assert client.release_pull(request_id).released == 0  # what its restarted learner does
+    client.resume_production()
+    # the next batch's groups: a pull still waiting would have leased them the moment they were queued
+    wait_for("the next groups", lambda: client.health().queue_depth >= 2, [], 600)
+    assert client.health().leased == 0  # every queued group is there for anyone to pull
+
+
+def _metric(client, name: str) -> float:
+    text = httpx.get(f"{client.url}/metrics", timeout=10).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
 
 
 def test_sigterm_shuts_the_server_down_cleanly(server):
