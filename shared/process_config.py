@@ -40,6 +40,13 @@ class VllmConfig(Section):
         "them; vLLM's own default keeps one for its scheduler, half of a 2-core machine (1.7x slower here). "
         "In split placement on one machine, leave the learner its share",
     )
+    worker_in_engine_process: bool = Field(
+        default=False,
+        description="CPU, one rank (tensor and data parallel size 1): vLLM's model worker runs inside its "
+        "engine process instead of a process of its own, so one Python process fewer imports torch and "
+        "vLLM at start: ready ~15 s sooner on 2 cores (29 vs 44 s); decode 4-6 % slower in one run "
+        "(docs/benchmarks.md). For servers that restart often (tests, faults); ignored on GPUs",
+    )
     tensor_parallel_size: int = Field(
         default=1,
         ge=1,

@@ -469,7 +469,7 @@ def test_lm_eval_harness_agrees_with_learner_evaluate(server, tmp_path, tokenize
     backend, _, client, _ = server
     if backend != "vllm":
         pytest.skip("one backend is enough for the harness")
-    limit = 20
+    limit = 10  # problems: |lm_eval - learner.evaluate| <= 1 of them (20 took ~2.5 min)
     overrides = [o.removeprefix("--") for o in OVERRIDES]
     cfg = load_config(REPO / "deploy/configs/cpu.toml", overrides)
     metadata = json.dumps({"config": str(REPO / "deploy/configs/cpu.toml"), "overrides": overrides})

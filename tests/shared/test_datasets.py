@@ -268,3 +268,22 @@ def test_prompts_too_long_are_dropped_and_named():
     problems = [Problem("short", "x" * 10, "1"), Problem("long", "x" * 500, "1")]
     kept, dropped = drop_long_prompts(problems, FakeTokenizer(), max_model_len=256)
     assert [p.id for p in kept] == ["short"] and dropped == ["long"]
+
+
+@pytest.mark.parametrize("max_model_len", [128, 192, 1024])
+def test_the_fast_length_check_drops_exactly_what_tokenizing_every_prompt_drops(
+    model_dir, gsm8k_dir, max_model_len
+):
+    """The byte bound skips tokenizing prompts that surely fit; the plain path tokenizes them all. On 600
+    GSM8K prompts (~100-250 tokens templated) at limits that keep all, some, and few of them."""
+    from transformers import AutoTokenizer
+
+    from shared.config import load_config
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    problems = load_problems(load_config(None, [f"data.path='{gsm8k_dir}'"]).data)[:600]
+    fast = drop_long_prompts(problems, tokenizer, max_model_len)
+    plain = drop_long_prompts(problems, tokenizer, max_model_len, exact=True)
+    assert [p.id for p in fast[0]] == [p.id for p in plain[0]] and fast[1] == plain[1]
+    # many dropped, a few, none: both paths decide at each limit
+    assert {128: 150 < len(plain[1]) < 450, 192: 0 < len(plain[1]) < 60}.get(max_model_len, plain[1] == [])
