@@ -21,7 +21,7 @@ from shared.config import LoraConfig as LoraSettings
 def deepspeed_config(cfg: TandemConfig, world_size: int, on_cpu: bool, num_trainable: int) -> dict[str, Any]:
     ds, lc = cfg.deepspeed, cfg.learner
     # Buckets sized to the LoRA parameter count: the defaults (5e8 elements, with overlap_comm) reserve
-    # GBs for a model whose trainable part is a few MB (DESIGN.md §8).
+    # GBs for a model whose trainable part is a few MB (docs/design.md §8).
     bucket = int(max(num_trainable, 1_000_000))
     zero: dict[str, Any] = {
         "stage": ds.zero_stage,
@@ -42,7 +42,7 @@ def deepspeed_config(cfg: TandemConfig, world_size: int, on_cpu: bool, num_train
         "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",
-            # torch's AdamW on CPU: DeepSpeed's CPU Adam would be JIT-compiled first (DESIGN.md §7).
+            # torch's AdamW on CPU: DeepSpeed's CPU Adam would be JIT-compiled first (docs/design.md §7).
             "params": {"lr": lc.lr, "weight_decay": lc.weight_decay, "torch_adam": on_cpu},
         },
         "steps_per_print": 10**9,

@@ -1,4 +1,4 @@
-"""GRPO's math as pure torch functions (DESIGN.md §4). No config objects, no I/O, no distributed calls.
+"""GRPO's math as pure torch functions (docs/design.md §4). No config objects, no I/O, no distributed calls.
 
 Shapes: rewards are [B, G] (B prompts, G completions each). Per-token tensors are [N, T], one row per
 completion, right-padded, with `mask` 1 on real completion tokens. Per-sequence advantages are [N].
@@ -189,7 +189,8 @@ def grpo_loss(
     """loss = -aggregate(w · surrogate - β·KL). Per-token tensors [N, T], advantages [N].
 
     `old_logprobs` is π_old, the policy the ratio ρ = π/π_old is taken against: the sampler's
-    (one optimizer step per batch, DESIGN.md §4), or the learner's own (`grpo.old_logprobs = "recompute"`).
+    (one optimizer step per batch, docs/design.md §4), or the learner's own
+    (`grpo.old_logprobs = "recompute"`).
     With the sampler's, vLLM and the trainer differ in kernels and ρ can be large where they disagree;
     `dual_clip` bounds the surrogate at dual_clip·A for negative advantages, so one such token cannot
     dominate the step (the clip at 1+ε_high already bounds positive ones).

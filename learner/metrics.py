@@ -9,7 +9,7 @@ from pathlib import Path
 
 from learner.trackers import Trackers
 
-# DESIGN.md §5: every step's record carries at least these.
+# docs/design.md §5: every step's record carries at least these.
 STEP_KEYS = (
     "reward/mean", "reward/std", "accuracy", "advantage/mean", "advantage/std", "groups/degenerate",
     "policy/entropy", "kl/ref", "ratio/clipfrac", "completion/length", "completion/truncated",

@@ -1,4 +1,4 @@
-"""The rollout server's HTTP surface (DESIGN.md §3). Routes declare the models of shared/protocol.py.
+"""The rollout server's HTTP surface (docs/design.md §3). Routes declare the models of shared/protocol.py.
 
 Every POST mutates or spends engine time and so requires `Authorization: Bearer <token>` when a token
 is configured (environment variable named by `server.api_token_env`); GET /health and /metrics are open.

@@ -1,4 +1,4 @@
-"""Episodes of several turns (`env.kind = "multi_turn" | "tools"`), token-exact (DESIGN.md §9).
+"""Episodes of several turns (`env.kind = "multi_turn" | "tools"`), token-exact (docs/design.md §9).
 
 An episode is the prompt, then the model's turns exactly as the engine sampled them (stop token included)
 and, between them, the tokens the chat template adds for each environment message. Nothing is ever

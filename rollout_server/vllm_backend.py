@@ -237,7 +237,7 @@ class VllmBackend:
             seed=cfg.server.seed,
             # Logprobs of the distribution actually sampled from (after temperature): π_old for the loss.
             logprobs_mode="processed_logprobs",
-            # vLLM refuses sleep mode on CPU; there sleep() still pauses the engine (DESIGN.md §2).
+            # vLLM refuses sleep mode on CPU; there sleep() still pauses the engine (docs/design.md §2).
             enable_sleep_mode=vc.enable_sleep_mode and cuda,
             **({"gpu_memory_utilization": vc.gpu_memory_utilization} if cuda else {}),
         )
@@ -420,7 +420,7 @@ class VllmBackend:
 
     async def wake(self) -> None:
         if self._sleep_mode:
-            await self._wake_weights()  # weights first, then the KV cache (DESIGN.md §2)
+            await self._wake_weights()  # weights first, then the KV cache (docs/design.md §2)
             await self.engine.wake_up(tags=["kv_cache"])
         else:
             await self.engine.wake_up()

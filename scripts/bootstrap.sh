@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the CPU stack in .venv exactly as DESIGN.md §7 verified, then install tandem itself (editable).
+# Build the CPU stack in .venv exactly as docs/design.md §7 verified, then install tandem itself (editable).
 # Idempotent: a stamp records the hash of this script and pyproject.toml; when both are unchanged the
 # whole thing is a no-op that takes well under a second.
 #

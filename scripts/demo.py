@@ -104,7 +104,7 @@ def _smooth(values: list[float], window: int = 5) -> list[float]:
 
 
 def plot(metrics: list[dict], before: float, after: float, steps: int, path: Path, task: str) -> None:
-    """Training reward and held-out accuracy on top; the DESIGN.md §5 diagnostics below."""
+    """Training reward and held-out accuracy on top; the docs/design.md §5 diagnostics below."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -4,7 +4,7 @@ command that proves the time-sliced 8 GB path there within minutes.
     .venv/bin/python scripts/gpu_kit.py build           # here (the registries are reachable): -> .gpu-kit/
     .venv/bin/python scripts/gpu_kit.py check           # the kit against deploy/gpu_kit/{kit,image}.txt
     .venv/bin/python scripts/gpu_kit.py run --dry-run   # here, on CPU: every part but the CUDA ones
-    python3 scripts/gpu_kit.py run                      # on the GPU machine (docs/gpu-kit.md: the exact call)
+    python3 scripts/gpu_kit.py run                      # on the GPU machine (docs/gpu.md: the exact call)
 
 The image (deploy/gpu_kit/image.txt, from the device tool's KINDS.md) has PyTorch (CUDA), transformers,
 peft, httpx and safetensors, but no vLLM, DeepSpeed, FastAPI, uvicorn or pydantic, and no network. The kit

@@ -239,7 +239,7 @@ STALE_TIS_CAP = 2.0  # grpo.tis_cap by default where groups are stale (split pla
 
 
 class GRPOConfig(Section):
-    """Every numerical convention of the loss, named (DESIGN.md §4)."""
+    """Every numerical convention of the loss, named (docs/design.md §4)."""
 
     scale_rewards: Literal["group", "none"] = Field(
         default="group", description="'group': divide by the group std (GRPO Eq. 3); 'none': Dr. GRPO"
@@ -259,7 +259,7 @@ class GRPOConfig(Section):
     kl_estimator: Literal["k3", "k2", "k1"] = Field(default="k3", description="Schulman's k3 is unbiased")
     aggregation: Literal["seq_mean_token_mean", "token_mean", "constant_norm"] = Field(
         default="seq_mean_token_mean",
-        description="how token terms make the loss (DESIGN.md §4): 'seq_mean_token_mean' (GRPO Eq. 3), "
+        description="how token terms make the loss (docs/design.md §4): 'seq_mean_token_mean' (GRPO Eq. 3), "
         "'token_mean' (DAPO), 'constant_norm' (Dr. GRPO: sum / (sequences x max_new_tokens))",
     )
     dual_clip: float | None = Field(

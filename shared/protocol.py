@@ -1,4 +1,4 @@
-"""The wire protocol between rollout server and learner (DESIGN.md §3). The only schema: FastAPI routes
+"""The wire protocol between rollout server and learner (docs/design.md §3). The only schema: FastAPI routes
 declare these models and the learner's client parses responses with them.
 
 Token-in/token-out: a group carries the prompt's and each completion's token ids plus the sampler's

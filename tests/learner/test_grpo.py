@@ -1,4 +1,5 @@
-"""The GRPO math against hand-worked numbers (DESIGN.md §4). Each expected value is derived in a comment."""
+"""The GRPO math against hand-worked numbers (docs/design.md §4). Each expected value is derived in a
+comment."""
 
 import math
 
@@ -260,7 +261,7 @@ def _random_batch(seed, N=8, T=6):
 @pytest.mark.parametrize("aggregation", ["seq_mean_token_mean", "token_mean", "constant_norm"])
 def test_shards_sum_to_the_whole_batch(aggregation):
     # Two data-parallel shards or two accumulation micro-batches: each normalised by the *global*
-    # counts, their losses and gradients add up to the whole batch's (DESIGN.md §4, last point).
+    # counts, their losses and gradients add up to the whole batch's (docs/design.md §4, last point).
     logp, old, ref, adv, mask = _random_batch(0)
     kw = dict(beta=0.04, aggregation=aggregation, max_tokens=6, dual_clip=2.0)
     whole_in = logp.clone().requires_grad_()
