@@ -246,7 +246,8 @@ class VllmBackend:
             log.info("vLLM worker: busy-polls %g s after its last message (vLLM's default: 1 s)", IDLE_SPIN_S)
         else:
             log.info("vLLM worker: no idle busy-poll found to bound in this vLLM; left as it is")
-        await engine.collective_rpc("tandem_ignore_stop_signals")
+        if not one:  # in the engine's own process the signal is the engine core's to act on
+            await engine.collective_rpc("tandem_ignore_stop_signals")
         return cls(
             engine,
             engine.get_tokenizer(),

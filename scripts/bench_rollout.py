@@ -1,7 +1,7 @@
 """Rollout throughput of the backends on the same workload, with and without a policy version loaded.
 
     .venv/bin/python scripts/bench_rollout.py [--prompts 16] [--group-size 8] [--max-tokens 128]
-        [--cases vllm-base,vllm-merge,vllm-lora,openai-base,openai-lora,hf-merge,hf-base]
+        [--cases vllm-base,vllm-merge,vllm-lora,openai-base,openai-lora,hf-merge,hf-base] [--set K=V ...]
 
 Same prompts (GSM8K test, chat-templated), same G, same max new tokens, temperature 1, top_p 1. Cases:
 `vllm-base`/`hf-base` the base model (vLLM without LoRA layers); `vllm-merge` vLLM with a LoRA r16
@@ -48,6 +48,7 @@ async def measure(case: str, args, adapter_dir: Path) -> float:
 
     backend_name, overrides, published = CASES[case]
     local = "vllm" if backend_name == "openai" else backend_name  # (openai: its endpoint is known below)
+    overrides = [*overrides, *args.set]
     cfg = load_config(args.config, [f"server.backend={local}", "model.max_model_len=1024", *overrides])
     engine = None
     if backend_name == "openai":
@@ -107,6 +108,12 @@ def main() -> int:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of: {', '.join(CASES)}")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="a config override for every case, e.g. server.vllm.worker_in_engine_process=true (compare a "
+        "setting by running the script once with it and once without: it may not reach back into an engine "
+        "process started earlier in the same run)",
+    )  # fmt: skip
     args = p.parse_args()
     cases = args.cases.split(",")
     unknown = [c for c in cases if c not in CASES]

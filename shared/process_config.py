@@ -41,11 +41,11 @@ class VllmConfig(Section):
         "In split placement on one machine, leave the learner its share",
     )
     worker_in_engine_process: bool = Field(
-        default=False,
+        default=True,
         description="CPU, one rank (tensor and data parallel size 1): vLLM's model worker runs inside its "
-        "engine process instead of a process of its own, so one Python process fewer imports torch and "
-        "vLLM at start: ready ~15 s sooner on 2 cores (29 vs 44 s); decode 4-6 % slower in one run "
-        "(docs/benchmarks.md). For servers that restart often (tests, faults); ignored on GPUs",
+        "engine process, not in a process of its own, so one Python process fewer imports torch and vLLM "
+        "at start: ready in 29 s instead of 44 on 2 cores, decode unchanged (docs/benchmarks.md §17). "
+        "False: vLLM's CPU default (a worker process). Ignored on GPUs and with several ranks",
     )
     tensor_parallel_size: int = Field(
         default=1,

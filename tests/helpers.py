@@ -32,9 +32,6 @@ SMALL_RUN = [
     # cpu.toml zeroes completions cut at max_new_tokens; these runs' short limits cut most of them, which
     # made whole groups all-zero (no gradient: the shared-prompt gradient test once had nothing to compare)
     "--reward.truncated=score",
-    # vLLM's worker in its engine process: each start ~15 s sooner (server_e2e, vllm_merge, the soak and
-    # compose keep the shipped two-process default)
-    "--server.vllm.worker_in_engine_process=true",
 ]
 SMALL_LEARNER = [
     "--learner.prompts_per_step=2",

@@ -65,7 +65,6 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
         "--sampling.max_new_tokens=40",
         "--server.prompts_per_batch=2",
         "--server.queue_size=4",
-        "--server.vllm.worker_in_engine_process=true",  # starts ~15 s sooner (tests/helpers.py SMALL_RUN)
     ]
     server, client = start_server(tmp_path, task, env=proc_env(PYTHONPATH=str(code)))
     try:

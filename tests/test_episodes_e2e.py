@@ -54,7 +54,6 @@ COMMON = [
     "--reward.truncated=score",
     "--env.max_turns=3",
     "--data.arith.difficulty=1",
-    "--server.vllm.worker_in_engine_process=true",  # starts ~15 s sooner (tests/helpers.py SMALL_RUN)
 ]
 
 

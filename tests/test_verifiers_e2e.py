@@ -36,7 +36,6 @@ COMMON = [
     "--env.kind=verifiers",
     '--env.verifiers={"taskset": {"id": "my_sums"}}',
     "--env.verifiers_eval=8",
-    "--server.vllm.worker_in_engine_process=true",  # starts ~15 s sooner (tests/helpers.py SMALL_RUN)
 ]
 
 
@@ -107,7 +106,6 @@ TOOL_TASKSET = [
     '--env.verifiers={"taskset": {"id": "my_calculator"}}',
     "--env.verifiers_limit=200",
     "--env.verifiers_eval=8",
-    "--server.vllm.worker_in_engine_process=true",  # starts ~15 s sooner (tests/helpers.py SMALL_RUN)
 ]
 # (a reply cut at the token limit right after its call gets the close the template writes: <|im_end|>)
 TOOL_TURN = re.compile(

@@ -23,6 +23,9 @@ SERVER = [
     "--server.prompts_per_batch=2",
     "--server.queue_size=4",
     "--data.task=arith",
+    # vLLM's own CPU layout, a worker process beside the engine core (the default runs it inside; the
+    # tensor-parallel test runs several worker processes)
+    "--server.vllm.worker_in_engine_process=false",
 ]
 
 
