@@ -70,6 +70,8 @@ class _Engine:
 
 @pytest.mark.parametrize("block_size", [32, None])
 def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(monkeypatch, block_size):
+    import os
+
     from vllm.engine import arg_utils
     from vllm.v1.engine import async_llm
 
@@ -77,17 +79,30 @@ def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(
     from shared.config import load_config
     from tests.helpers import REPO
 
-    args, engine = {}, _Engine()
     monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
-    monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", lambda a: args.update(a) or engine)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # create() would set it for the rest of the session
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # likewise (restored after the test)
     cfg = load_config(REPO / "deploy/configs/cpu.toml")
     assert cfg.server.vllm.block_size == 32  # the CPU recipe's (its prompts are shorter than vLLM's 128)
     cfg.server.vllm.block_size = block_size
-    asyncio.run(VllmBackend.create(cfg, "/models/m"))
-    assert args.get("block_size") == block_size  # unset: not passed, vLLM chooses
-    assert args["worker_extension_cls"] == "rollout_server.vllm_backend.TandemWorker"
-    assert engine.rpcs == [("tandem_idle_spin", (IDLE_SPIN_S,)), ("tandem_ignore_stop_signals", ())]
+    for in_engine in (True, False):
+        args, engine = {}, _Engine()
+        made = lambda a, args=args, engine=engine: args.update(a) or engine  # noqa: E731
+        monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", made)
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        cfg.server.vllm.worker_in_engine_process = in_engine
+        asyncio.run(VllmBackend.create(cfg, "/models/m"))
+        assert args.get("block_size") == block_size  # unset: not passed, vLLM chooses
+        assert args["worker_extension_cls"] == "rollout_server.vllm_backend.TandemWorker"
+        spin = ("tandem_idle_spin", (IDLE_SPIN_S,))
+        if in_engine:  # the worker in the engine core's process: vLLM's one-process executor
+            assert args["distributed_executor_backend"] == "uni"
+            assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # read by the engine process
+            assert engine.rpcs == [spin]  # the engine core's stop signals left as they are
+        else:  # a worker process of its own, which leaves stop signals to the engine core
+            assert "distributed_executor_backend" not in args
+            assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+            assert engine.rpcs == [spin, ("tandem_ignore_stop_signals", ())]
 
 
 @pytest.mark.parametrize("theirs", [None, "256"])
@@ -106,6 +121,7 @@ def test_on_cpu_the_engine_keeps_few_compiled_kernels_unless_told_otherwise(monk
     monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
     monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", lambda a: _Engine())
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # create() sets it (restored after the test)
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", theirs or "")  # restored after the test
     if theirs is None:
         monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
