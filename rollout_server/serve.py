@@ -19,15 +19,16 @@ log = logging.getLogger("tandem.server")
 
 
 async def make_backend(
-    cfg: TandemConfig, model_path: str, inspected: dict[str, str] | None = None
+    cfg: TandemConfig, model_path: str, inspected: dict[str, str] | None = None, *, fork_engine: bool = False
 ) -> RolloutBackend:
     """Choose the engine by `server.backend`. Each implementation module is the only one importing its
     engine, so the other's dependencies need not be installed. `inspected`: the external endpoints
-    _prepare checked (server.backend = "openai")."""
+    _prepare checked (server.backend = "openai"). `fork_engine`: this process has run no torch computation
+    (the server's own process), so vLLM's engine process may be forked from it (vllm_backend.start_engine)."""
     if cfg.server.backend == "vllm":
         from rollout_server.vllm_backend import VllmBackend
 
-        return await VllmBackend.create(cfg, model_path)
+        return await VllmBackend.create(cfg, model_path, fork_engine=fork_engine)
     if cfg.server.backend == "openai":
         from rollout_server.openai_backend import OpenAIBackend
 
@@ -153,7 +154,7 @@ def serve(cfg: TandemConfig) -> int:
         cfg,
         problems,
         model_path,
-        lambda: make_backend(cfg, model_path, inspected),
+        lambda: make_backend(cfg, model_path, inspected, fork_engine=True),
         lambda: server.on_fatal(),
         skipped,
     )

@@ -107,6 +107,28 @@ def cpu_binding(vc: VllmConfig) -> str:
     return "|".join(",".join(map(str, cpus[i * per : (i + 1) * per])) for i in range(ranks))
 
 
+def start_engine(args, fork: bool):
+    """AsyncLLM.from_engine_args, but where `fork` the engine core's process is forked from this one rather
+    than spawned. vLLM's CPU platform asks for spawn (while it builds the config, below): a fresh Python
+    that imports torch and vLLM again, ~10 s of a 2-core start (docs/benchmarks.md §17); a fork inherits
+    them. Only for a process that has run no torch computation yet (the server's own, which starts its
+    engine before it computes anything): a child forked after OpenMP's thread pool started hangs at its
+    first parallel op. The forked process runs the worker itself (the `uni` executor), so nothing forks
+    again; on a GPU, with worker processes, and in scripts that compute first, vLLM's own choice stands."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor import Executor
+
+    config = args.create_engine_config()
+    if fork:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"  # read as the engine core's process starts
+    return AsyncLLM(
+        vllm_config=config,
+        executor_class=Executor.get_class(config),
+        log_requests=args.enable_log_requests,
+        log_stats=not args.disable_log_stats,
+    )
+
+
 class VllmVersionError(RuntimeError):
     pass
 
@@ -196,12 +218,12 @@ class VllmBackend:
         self._merged = MergedWeights(self._switch_weights) if merge else None
 
     @classmethod
-    async def create(cls, cfg: TandemConfig, model_path: str) -> VllmBackend:
+    async def create(cls, cfg: TandemConfig, model_path: str, fork_engine: bool = False) -> VllmBackend:
+        """`fork_engine`: the caller has run no torch computation in this process (start_engine)."""
         vc = cfg.server.vllm
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(vc.kv_cache_gib))))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         cuda = current_platform.is_cuda()
         if not cuda and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:  # an explicit setting wins
@@ -210,7 +232,7 @@ class VllmBackend:
             os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
         merge = cfg.server.adapter_mode == "merge"
         # vLLM on CPU runs its worker in a process of its own unless multiprocessing is off for workers
-        # (its engine core still runs apart from this process: AsyncLLM always does that)
+        # (its engine core still runs apart from this process: AsyncLLM always does that; forked, below)
         one = (
             not cuda and vc.worker_in_engine_process and vc.tensor_parallel_size * vc.data_parallel_size == 1
         )
@@ -241,7 +263,7 @@ class VllmBackend:
             enable_sleep_mode=vc.enable_sleep_mode and cuda,
             **({"gpu_memory_utilization": vc.gpu_memory_utilization} if cuda else {}),
         )
-        engine = AsyncLLM.from_engine_args(args)
+        engine = start_engine(args, fork=one and fork_engine)
         if all(await engine.collective_rpc("tandem_idle_spin", args=(IDLE_SPIN_S,))):
             log.info("vLLM worker: busy-polls %g s after its last message (vLLM's default: 1 s)", IDLE_SPIN_S)
         else:

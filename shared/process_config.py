@@ -43,9 +43,10 @@ class VllmConfig(Section):
     worker_in_engine_process: bool = Field(
         default=True,
         description="CPU, one rank (tensor and data parallel size 1): vLLM's model worker runs inside its "
-        "engine process, not in a process of its own, so one Python process fewer imports torch and vLLM "
-        "at start: ready in 29 s instead of 44 on 2 cores, decode unchanged (docs/benchmarks.md §17). "
-        "False: vLLM's CPU default (a worker process). Ignored on GPUs and with several ranks",
+        "engine process, not in a process of its own, and the server forks that process rather than "
+        "spawning it, so no fresh Python imports torch and vLLM again at start: ready in ~18 s instead of "
+        "44 on 2 cores, decode unchanged (docs/benchmarks.md §17). False: vLLM's CPU default (an engine "
+        "process and a worker process, each spawned). Ignored on GPUs and with several ranks",
     )
     tensor_parallel_size: int = Field(
         default=1,

@@ -201,7 +201,8 @@ def test_serve_exits_1_when_the_producer_dies_so_a_supervisor_restarts_it(tmp_pa
     from harness.net import free_port
     from rollout_server.serve import serve
 
-    async def fake_backend(cfg, model_path, inspected=None):
+    async def fake_backend(cfg, model_path, inspected=None, fork_engine=False):
+        assert fork_engine  # the server's own process has computed nothing: vLLM's engine may be forked
         return FakeBackend(fail_after=1)
 
     monkeypatch.setattr(app_module, "make_backend", fake_backend)

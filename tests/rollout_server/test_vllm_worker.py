@@ -73,8 +73,8 @@ def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(
     import os
 
     from vllm.engine import arg_utils
-    from vllm.v1.engine import async_llm
 
+    from rollout_server import vllm_backend
     from rollout_server.vllm_backend import IDLE_SPIN_S, VllmBackend
     from shared.config import load_config
     from tests.helpers import REPO
@@ -85,13 +85,16 @@ def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(
     cfg = load_config(REPO / "deploy/configs/cpu.toml")
     assert cfg.server.vllm.block_size == 32  # the CPU recipe's (its prompts are shorter than vLLM's 128)
     cfg.server.vllm.block_size = block_size
-    for in_engine in (True, False):
+    for in_engine, fork_engine in ((True, True), (True, False), (False, True)):
         args, engine = {}, _Engine()
-        made = lambda a, args=args, engine=engine: args.update(a) or engine  # noqa: E731
-        monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", made)
+        made = lambda a, fork, args=args, engine=engine: args.update(a, fork=fork) or engine  # noqa: E731
+        monkeypatch.setattr(vllm_backend, "start_engine", made)
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         cfg.server.vllm.worker_in_engine_process = in_engine
-        asyncio.run(VllmBackend.create(cfg, "/models/m"))
+        asyncio.run(VllmBackend.create(cfg, "/models/m", fork_engine=fork_engine))
+        # forked from the server's process only when the worker runs in the engine's and the caller has
+        # computed nothing (a fork after torch's thread pool started hangs)
+        assert args.pop("fork") == (in_engine and fork_engine)
         assert args.get("block_size") == block_size  # unset: not passed, vLLM chooses
         assert args["worker_extension_cls"] == "rollout_server.vllm_backend.TandemWorker"
         spin = ("tandem_idle_spin", (IDLE_SPIN_S,))
@@ -112,14 +115,14 @@ def test_on_cpu_the_engine_keeps_few_compiled_kernels_unless_told_otherwise(monk
     import os
 
     from vllm.engine import arg_utils
-    from vllm.v1.engine import async_llm
 
+    from rollout_server import vllm_backend
     from rollout_server.vllm_backend import ONEDNN_CACHE_CAPACITY, VllmBackend
     from shared.config import load_config
     from tests.helpers import REPO
 
     monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
-    monkeypatch.setattr(async_llm.AsyncLLM, "from_engine_args", lambda a: _Engine())
+    monkeypatch.setattr(vllm_backend, "start_engine", lambda a, fork: _Engine())
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # create() sets it (restored after the test)
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", theirs or "")  # restored after the test
