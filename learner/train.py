@@ -168,6 +168,7 @@ def _loop(run: _Run, state: ckpt.State) -> None:
         if pulled is None:  # stopped while waiting for the server: the last step's checkpoint stands
             return
         _before_training(run)
+        crash_point("in_training", state.step + 1)  # the step's groups leased, not yet trained
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.reset_peak_memory_stats()

@@ -89,9 +89,11 @@ def test_learner_killed_at_each_point_of_a_step_resumes_and_trains_every_group_o
     out, state_dir = tmp_path / "run", tmp_path / "server"
 
     # (kill point, step): after the checkpoint and before the ack; between ack and publish; after the
-    # publish (the server asleep at the new version). keep_every = 10: none of these is a kept one.
-    served_after = {"before_ack": 0, "before_publish": 1, "after_publish": 3}
-    for n, (point, step) in enumerate([("before_ack", 1), ("before_publish", 2), ("after_publish", 3)]):
+    # publish (the server asleep at the new version); while training (its groups leased, not acked).
+    # keep_every = 10: none of these is a kept one.
+    served_after = {"before_ack": 0, "before_publish": 1, "after_publish": 3, "in_training": 3}
+    points = [("before_ack", 1), ("before_publish", 2), ("after_publish", 3), ("in_training", 4)]
+    for n, (point, step) in enumerate(points):
         resume = ["--resume"] if n else []
         crash_at = f"{point}:{step}"
         p = _learner(client.url, out, tmp_path / f"{n}.log", "--learner.steps=4", *resume, crash_at=crash_at)
@@ -103,11 +105,13 @@ def test_learner_killed_at_each_point_of_a_step_resumes_and_trains_every_group_o
             assert f"at step {step - 1}, policy v{step - 1}" in p.log()  # resumed from the kill before
 
     acked_before = {e["lease_id"] for e in _events(state_dir, 0, "ack")}
-    last = _learner(client.url, out, tmp_path / "3.log", "--learner.steps=4", "--resume")
+    last = _learner(client.url, out, tmp_path / "4.log", "--learner.steps=4", "--resume")
     procs.append(last)
     assert last.wait(timeout=600) == 0, last.log()[-4000:]
     log = last.log()
     assert "at step 3, policy v3" in log and "done at step 4; server serves v4" in log
+    # the groups the learner killed in training had leased go back to the queue, and are trained once
+    assert "released 2 group(s) pulled before the restart but never trained" in log
     assert "published v" not in log  # the server already served v3 (asleep: it was woken)
 
     _trained_once(out, [1, 2, 3, 4])
@@ -128,7 +132,7 @@ def test_learner_killed_at_each_point_of_a_step_resumes_and_trains_every_group_o
     # The server ahead of the checkpoint (here: `latest` pointed back at step 3 by hand): the resume
     # re-publishes its weights as the next version, drops v4's groups as stale, and records step 4 anew.
     (out / "checkpoints" / "latest").write_text("step-3")
-    again = _learner(client.url, out, tmp_path / "4.log", "--learner.steps=4", "--resume")
+    again = _learner(client.url, out, tmp_path / "5.log", "--learner.steps=4", "--resume")
     procs.append(again)
     assert again.wait(timeout=600) == 0, again.log()[-4000:]
     log = again.log()

@@ -4,7 +4,6 @@ engine, SmolLM2-135M, on CPU. One server for the module; each test starts its ow
 from __future__ import annotations
 
 import json
-import signal
 import time
 from pathlib import Path
 
@@ -268,77 +267,6 @@ def test_lag_steps_trains_groups_exactly_k_versions_old_and_gives_back_the_held_
     assert set(leased) == acked | set(released) and not acked & set(released), "a lease left open"
     assert [gid for lease in released for gid in leased[lease]], "the held batch was not given back"
     assert not trained_ids & {gid for lease in released for gid in leased[lease]}
-
-
-@pytest.fixture
-def fresh_server(tmp_path, model_dir):
-    """A server of its own: the module's one already serves a newer policy than a new run's v0."""
-    proc, client = start_server(tmp_path, [*SERVER, "--server.backend=vllm"])
-    yield proc, client, tmp_path
-    client.close()
-    proc.stop()
-
-
-@pytest.fixture
-def spawned():
-    """Learners a test starts, stopped at teardown whether the test passed or not."""
-    procs: list[Proc] = []
-    yield procs
-    for p in procs:
-        p.stop()
-
-
-def test_resume_after_sigkill_trains_every_leased_group_exactly_once(fresh_server, spawned, tmp_path):
-    _, client, tmp = fresh_server
-    out = tmp_path / "run"
-    events_file = tmp / "server" / "events.jsonl"
-    started = time.time()
-    first = learner(client.url, out, ["--learner.steps=4", "--learner.keep_every=1"], tmp_path / "1.log")
-    spawned.append(first)
-    # Kill during step 3's training phase: after the step-2 checkpoint and step 3's sleep, when step 3's
-    # groups are leased and not acked.
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        latest = out / "checkpoints" / "latest"
-        sleeps = [e for e in _jsonl(events_file) if e["t"] >= started and e["event"] == "sleep"]
-        if latest.is_file() and latest.read_text() == "step-2" and len(sleeps) == 3:
-            break
-        assert first.alive(), first.log()[-4000:]
-        time.sleep(0.2)
-    else:
-        pytest.fail("the learner never reached step 3")
-    first.signal(signal.SIGKILL)
-    first.wait(timeout=30)
-    killed_at = time.time()
-    assert client.health().policy_version == 2  # the server keeps serving the last published version
-    events = [e for e in _jsonl(events_file) if e["t"] >= started]
-    acked = {e["lease_id"] for e in events if e["event"] == "ack"}
-    unacked = [
-        gid for e in events if e["event"] == "lease" and e["lease_id"] not in acked for gid in e["group_ids"]
-    ]
-    assert unacked, "step 3's groups should have been leased and not acked"
-
-    second = learner(
-        client.url, out, ["--learner.steps=4", "--learner.keep_every=1", "--resume"], tmp_path / "2.log"
-    )
-    spawned.append(second)
-    assert second.wait(timeout=900) == 0, second.log()[-5000:]
-    assert "at step 2, policy v2" in second.log()
-    assert "released 2 group(s) pulled before the restart but never trained" in second.log()
-    records = _jsonl(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    trained = _jsonl(out / "groups.jsonl")
-    assert [t["step"] for t in trained] == [1, 2, 3, 4]
-    ids = [g["group_id"] for t in trained for g in t["groups"]]
-    assert len(ids) == len(set(ids)), "a group was trained twice"
-    for gid in unacked:
-        assert ids.count(gid) == 1, f"leased-but-unacked group {gid} trained {ids.count(gid)} times"
-    step3 = next(t for t in trained if t["step"] == 3)
-    assert {g["policy_version"] for g in step3["groups"]} == {2}  # from the adapter it resumed from
-    assert client.health().policy_version == 4
-    assert killed_at < next(
-        e["t"] for e in _jsonl(events_file) if e["event"] == "publish" and e["version"] == 3
-    )
 
 
 def test_trackers_get_every_step_once_across_a_resume_with_samples_and_config(server, tmp_path):
