@@ -84,36 +84,18 @@ def _health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=10).json()
 
 
-def test_two_servers_split_the_prompts_and_feed_one_learner(tmp_path, procs, model_dir):
+def test_two_servers_split_the_prompts_and_one_killed_is_skipped_then_brought_back(
+    tmp_path, procs, model_dir
+):
+    """One story, so that two vLLM servers start once: both feed the learner their shards; server 1 is
+    killed after v2, the learner trains on from server 0, and the restarted server 1 is brought to the
+    current version before it is pulled from again."""
     urls = _servers(tmp_path, "vllm", procs)
     # Both with groups before the learner starts: the learner pulls from whichever has some, and once the
     # second server's first batch (the slowest: vLLM warms up) came after a whole 3-step run on the first's.
     wait_for("a group on each server", lambda: all(_health(u)["queue_depth"] for u in urls), procs)
     out = tmp_path / "run"
-    learner = _learner(urls, out, 3, tmp_path / "learner.log")
-    procs.append(learner)
-    assert learner.wait(timeout=900) == 0, learner.log()[-5000:]
-
-    trained = [g for t in jsonl(out / "groups.jsonl") for g in t["groups"]]
-    ids = [g["group_id"] for g in trained]
-    assert len(trained) == 6 and len(ids) == len(set(ids)), "a group was trained twice"
-    made = {i: {e["group_id"] for e in _produced(tmp_path, i)} for i in range(2)}
-    assert made[0] & set(ids) and made[1] & set(ids), "one server's groups were never trained"
-    assert set(ids) <= made[0] | made[1]
-    # the shards: server i makes only prompts whose index is i modulo 2, so never the other's
-    for i in range(2):
-        assert {int(e["prompt"].rsplit("-", 1)[1]) % 2 for e in _produced(tmp_path, i)} == {i}
-    both = {(e["prompt"], e["epoch"]) for e in _produced(tmp_path, 0)}
-    assert not both & {(e["prompt"], e["epoch"]) for e in _produced(tmp_path, 1)}
-    assert [_health(u)["policy_version"] for u in urls] == [3, 3]
-    last = jsonl(out / "metrics.jsonl")[-1]  # per server: groups pulled over the run
-    assert last["server/0/groups"] + last["server/1/groups"] == 6 and last["server/1/up"] == 1
-
-
-def test_a_killed_server_is_skipped_then_brought_back_to_the_current_version(tmp_path, procs, model_dir):
-    urls = _servers(tmp_path, "hf", procs)  # the HF backend restarts in seconds: the run is about the learner
-    out = tmp_path / "run"
-    learner = _learner(urls, out, 40, tmp_path / "learner.log")  # stopped below, once the story is told
+    learner = _learner(urls, out, 60, tmp_path / "learner.log")  # stopped below, once the story is told
     procs.append(learner)
     events = [tmp_path / f"server{i}" / "events.jsonl" for i in range(2)]
 
@@ -126,7 +108,7 @@ def test_a_killed_server_is_skipped_then_brought_back_to_the_current_version(tmp
     killed_at = time.time()
     wait_for("the learner trains on from server 0", lambda: published(0, 4), [procs[0], learner], 600)
     assert "is down" in learner.log()
-    restarted = _server(tmp_path, 1, int(urls[1].rsplit(":", 1)[1]), "hf", "server1-again.log")
+    restarted = _server(tmp_path, 1, int(urls[1].rsplit(":", 1)[1]), "vllm", "server1-again.log")
     procs.append(restarted)
 
     def leased_after_restart() -> bool:
@@ -136,6 +118,21 @@ def test_a_killed_server_is_skipped_then_brought_back_to_the_current_version(tmp
     learner.signal(signal.SIGTERM)  # finish the step, checkpoint, publish, exit 0
     assert learner.wait(timeout=600) == 0, learner.log()[-5000:]
 
+    steps = jsonl(out / "groups.jsonl")
+    ids = [g["group_id"] for t in steps for g in t["groups"]]
+    assert len(ids) == 2 * len(steps) and len(ids) == len(set(ids)), "a group was trained twice"
+    # the shards: server i makes only prompts whose index is i modulo 2, so never the other's
+    made = {i: {e["group_id"] for e in _produced(tmp_path, i)} for i in range(2)}
+    assert made[0] & set(ids) and made[1] & set(ids), "one server's groups were never trained"
+    assert set(ids) <= made[0] | made[1]
+    for i in range(2):
+        assert {int(e["prompt"].rsplit("-", 1)[1]) % 2 for e in _produced(tmp_path, i)} == {i}
+    both = {(e["prompt"], e["epoch"]) for e in _produced(tmp_path, 0)}
+    assert not both & {(e["prompt"], e["epoch"]) for e in _produced(tmp_path, 1)}
+    last = jsonl(out / "metrics.jsonl")[-1]  # per server: groups pulled over the run
+    assert last["server/0/groups"] + last["server/1/groups"] == len(ids) and last["server/1/up"] == 1
+
+    # the killed server: skipped while down, then brought to the current version before any pull
     log = learner.log()
     assert "is back; brought from v2 to v" in log, log[-3000:]
     after = [e for e in jsonl(events[1]) if e["t"] > killed_at]
@@ -143,10 +140,6 @@ def test_a_killed_server_is_skipped_then_brought_back_to_the_current_version(tmp
     leases = [i for i, e in enumerate(after) if e["event"] == "lease"]
     assert leases and first_publish < leases[0], "pulled from before it was brought to the current version"
     assert after[first_publish]["version"] > 2
-
-    steps = jsonl(out / "groups.jsonl")
-    ids = [g["group_id"] for t in steps for g in t["groups"]]
-    assert len(ids) == 2 * len(steps) and len(ids) == len(set(ids)), "a group was trained twice"
     leased_after = {gid for e in after if e["event"] == "lease" for gid in e["group_ids"]}
     assert leased_after & set(ids), "the restarted server contributed no group"
     # the survivor lost nothing: every group it leased to the learner was trained
