@@ -45,12 +45,19 @@ def _restart_server(tmp: Path, port: int, log_name: str) -> Proc:
     return Proc(server_args("deploy/configs/cpu.toml", port, tmp / "server", SERVER), tmp / log_name)
 
 
-def test_server_killed_mid_generation_then_restarted(tmp_path, procs, model_dir):
+def test_a_server_killed_mid_generation_a_stop_while_it_is_gone_a_resume_and_a_stop_of_both(
+    tmp_path, procs, model_dir
+):
+    """One run, so that the server and the learner start twice rather than six times: the server killed
+    while generating; the learner retries, is stopped by SIGTERM while the server is gone and checkpoints;
+    the restarted server serves the last version from its own store and goes on from its saved cursor; the
+    learner resumes; then SIGTERM stops the learner after a step and the server while it generates."""
     server, client = start_server(tmp_path, SERVER)
     procs.append(server)
     port = int(client.url.rsplit(":", 1)[1])
     events_file, out = tmp_path / "server" / "events.jsonl", tmp_path / "run"
-    learner = _learner(client.url, out, ["--learner.steps=4"], tmp_path / "learner.log")
+    metrics = out / "metrics.jsonl"
+    learner = _learner(client.url, out, ["--learner.steps=50"], tmp_path / "learner.log")
     procs.append(learner)
 
     # Kill right after the wake that follows step 2's publish: the server is generating step 3's groups.
@@ -68,17 +75,25 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, procs, model_dir)
     killed_at = time.time()
     cursor_at_kill = json.loads((tmp_path / "server" / "cursor.json").read_text())
 
-    # The learner notices at once (its connection is reset), says so, and keeps retrying.
+    # The learner notices at once (its connection is reset), says so, and keeps retrying ...
     wait_for("the learner reports the dead server", lambda: "retrying in" in learner.log(), [learner], 60)
     assert time.time() - killed_at < 60
     time.sleep(5)  # a few retries' worth of a server that is really gone
     assert learner.alive()
+    # ... until a SIGTERM, which checkpoints the last step and ends it with 0
+    learner.signal(signal.SIGTERM)
+    assert learner.wait(timeout=120) == 0, learner.log()[-4000:]
+    step = int((out / "checkpoints" / "latest").read_text().removeprefix("step-"))
+    assert step >= 2 and step == len(jsonl(metrics))
+    assert "stop requested while the rollout server was unreachable" in learner.log()
 
+    # A restarted server (same port and state_dir, as a supervisor would) and --resume go on from there.
     restarted = _restart_server(tmp_path, port, "server2.log")
     procs.append(restarted)
-    assert learner.wait(timeout=900) == 0, learner.log()[-5000:]
-    assert "rollout server back after" in learner.log()
-
+    resumed = _learner(client.url, out, ["--learner.steps=50", "--resume"], tmp_path / "2.log")
+    procs.append(resumed)
+    wait_for("the resumed learner trains two steps", lambda: len(jsonl(metrics)) >= step + 2, [resumed])
+    assert f"at step {step}, policy v{step}" in resumed.log()
     # The restarted server restored v2 from its own adapter store and produced with it before any publish.
     assert "serving policy v2" in restarted.log()
     after = [e for e in jsonl(events_file) if e["t"] > killed_at]
@@ -91,62 +106,21 @@ def test_server_killed_mid_generation_then_restarted(tmp_path, procs, model_dir)
     position = (cursor_now["epoch"], cursor_now["position"])
     assert position > (cursor_at_kill["epoch"], cursor_at_kill["position"])
 
+    # SIGTERM to the learner: it finishes its step, checkpoints, publishes, and ends with 0.
+    resumed.signal(signal.SIGTERM)
+    assert resumed.wait(timeout=300) == 0, resumed.log()[-4000:]
+    last = len(jsonl(metrics))
+    assert "(stopped by signal)" in resumed.log()
+    assert (out / "checkpoints" / "latest").read_text() == f"step-{last}"
+    assert client.health().policy_version == last  # the step it finished was published before it left
+    assert [r["step"] for r in jsonl(metrics)] == list(range(1, last + 1))
     trained = jsonl(out / "groups.jsonl")
-    assert [t["step"] for t in trained] == [1, 2, 3, 4]
     ids = [g["group_id"] for t in trained for g in t["groups"]]
     prompts = [g["prompt_id"] for t in trained for g in t["groups"]]
-    assert len(ids) == len(set(ids)) == 8, "a group was trained twice"
+    assert len(ids) == len(set(ids)) == 2 * last, "a group was trained twice"
     assert len(prompts) == len(set(prompts)), "a prompt came round again: the cursor was reset"
-    assert client.health().policy_version == 4
-
-
-def test_sigterm_stops_both_processes_cleanly(tmp_path, procs, model_dir):
-    server, client = start_server(tmp_path, SERVER)
-    procs.append(server)
-    out = tmp_path / "run"
-    learner = _learner(client.url, out, ["--learner.steps=50"], tmp_path / "learner.log")
-    procs.append(learner)
-    metrics = out / "metrics.jsonl"
-    wait_for("the learner finishes step 1", lambda: len(jsonl(metrics)) >= 1, [server, learner])
-
-    learner.signal(signal.SIGTERM)
-    assert learner.wait(timeout=300) == 0, learner.log()[-4000:]
-    step = len(jsonl(metrics))
-    assert "(stopped by signal)" in learner.log()
-    assert (out / "checkpoints" / "latest").read_text() == f"step-{step}"
-    assert client.health().policy_version == step  # the step it finished was published before it left
 
     # The server is generating (the learner woke it after its last step) when it gets SIGTERM.
-    server.signal(signal.SIGTERM)
-    assert server.wait(timeout=60) == 0, server.log()[-4000:]
-    assert "Application shutdown complete" in server.log()
-
-
-def test_sigterm_while_the_server_is_gone_checkpoints_and_exits(tmp_path, procs, model_dir):
-    server, client = start_server(tmp_path, SERVER)
-    procs.append(server)
-    port = int(client.url.rsplit(":", 1)[1])
-    out = tmp_path / "run"
-    learner = _learner(client.url, out, ["--learner.steps=50"], tmp_path / "learner.log")
-    procs.append(learner)
-    wait_for("the learner finishes step 1", lambda: len(jsonl(out / "metrics.jsonl")) >= 1, [learner])
-    server.signal(signal.SIGKILL)
-    server.wait(timeout=30)
-    wait_for("the learner reports the dead server", lambda: "retrying in" in learner.log(), [learner], 120)
-
-    learner.signal(signal.SIGTERM)
-    assert learner.wait(timeout=120) == 0, learner.log()[-4000:]
-    step = int((out / "checkpoints" / "latest").read_text().removeprefix("step-"))
-    assert step == len(jsonl(out / "metrics.jsonl"))
-    assert "stop requested while the rollout server was unreachable" in learner.log()
-
-    # A restarted server and --resume pick the run up where it stopped.
-    restarted = _restart_server(tmp_path, port, "server2.log")
-    procs.append(restarted)
-    resumed = _learner(client.url, out, [f"--learner.steps={step + 1}", "--resume"], tmp_path / "2.log")
-    procs.append(resumed)
-    assert resumed.wait(timeout=600) == 0, resumed.log()[-4000:]
-    assert f"at step {step}, policy v{step}" in resumed.log()
-    assert [r["step"] for r in jsonl(out / "metrics.jsonl")] == list(range(1, step + 2))
-    ids = [g["group_id"] for t in jsonl(out / "groups.jsonl") for g in t["groups"]]
-    assert len(ids) == len(set(ids))
+    restarted.signal(signal.SIGTERM)
+    assert restarted.wait(timeout=60) == 0, restarted.log()[-4000:]
+    assert "Application shutdown complete" in restarted.log()
