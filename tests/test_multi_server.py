@@ -129,8 +129,12 @@ def test_two_servers_split_the_prompts_and_one_killed_is_skipped_then_brought_ba
         assert {int(e["prompt"].rsplit("-", 1)[1]) % 2 for e in _produced(tmp_path, i)} == {i}
     both = {(e["prompt"], e["epoch"]) for e in _produced(tmp_path, 0)}
     assert not both & {(e["prompt"], e["epoch"]) for e in _produced(tmp_path, 1)}
-    last = jsonl(out / "metrics.jsonl")[-1]  # per server: groups pulled over the run
-    assert last["server/0/groups"] + last["server/1/groups"] == len(ids) and last["server/1/up"] == 1
+    # per server: groups pulled over the run, each server's trained ones and any a kill cut off untrained
+    last = jsonl(out / "metrics.jsonl")[-1]
+    pulled = {i: last[f"server/{i}/groups"] for i in range(2)}
+    for i in range(2):
+        assert pulled[i] >= len(made[i] & set(ids)) > 0, (i, pulled)
+    assert last["server/1/up"] == 1
 
     # the killed server: skipped while down, then brought to the current version before any pull
     log = learner.log()
