@@ -120,7 +120,7 @@ def vllm_openai_args(
     model: str, port: int, *, max_lora_rank: int, max_model_len: int, dtype: str
 ) -> list[str]:
     """A stock vLLM OpenAI-compatible server as `server.backend = "openai"` needs one (rollout_server/
-    openai_backend.py): LoRA loaded at run time, the token route, sampling logprobs after temperature. Run
+    engines/external.py): LoRA loaded at run time, the token route, sampling logprobs after temperature. Run
     it with vllm_openai_env()."""
     return [
         "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    from rollout_server.serve import serve  # heavy imports only after the config is known to be good
+    from rollout_server.serving.serve import serve  # heavy imports only after the config is known to be good
 
     return serve(cfg)
 

@@ -8,7 +8,8 @@ Then, one window each: no evaluation; `--clients` threads sending chat completio
 for `latest` (the served version); the same for `base` (another version than the served one: with
 server.adapter_mode = "merge" the engine's weights are switched between the two). Prints training
 production (groups and completion tokens per second) in each window and its ratio to the window without
-evaluation, and the evaluation throughput: the priority rule of rollout_server/openai_api.py, measured.
+evaluation, and the evaluation throughput: the priority rule of rollout_server/serving/openai_api.py,
+measured.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ CASES = {  # name: (backend, config overrides, with a version published)
 
 
 async def measure(case: str, args, adapter_dir: Path) -> float:
-    from rollout_server.backend import Adapter
-    from rollout_server.serve import make_backend
+    from rollout_server.engines.base import Adapter
+    from rollout_server.serving.serve import make_backend
 
     backend_name, overrides, published = CASES[case]
     local = "vllm" if backend_name == "openai" else backend_name  # (openai: its endpoint is known below)

@@ -65,7 +65,8 @@ OWN = {"shared", "rollout_server", "learner", "harness", "tests", "scripts"}
 # What the hf-backend server, the DeepSpeed learner, tests/gpu and the benchmark import, lazy imports
 # included ("module:name" imports a name, which loads the lazy modules behind it).
 RUN_IMPORTS = [
-    "rollout_server.__main__", "rollout_server.app", "rollout_server.hf_backend", "rollout_server.adapters",
+    "rollout_server.__main__", "rollout_server.serving.app", "rollout_server.engines.hf",
+    "rollout_server.production.adapters",
     "uvicorn", "safetensors.torch", "learner.__main__", "learner.train", "learner.engine",
     "learner.preflight",
     "deepspeed", "deepspeed.comm", "deepspeed.ops.adam", "deepspeed.ops.op_builder:CPUAdamBuilder",

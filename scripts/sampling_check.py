@@ -33,7 +33,7 @@ def _mean_se(xs: list[float]) -> tuple[float, float]:
 
 
 async def sample(backend_name: str, args) -> dict:
-    from rollout_server.serve import make_backend
+    from rollout_server.serving.serve import make_backend
 
     cfg = load_config(args.config, [f"server.backend={backend_name}", *args.overrides])
     backend = await make_backend(cfg, resolve_model(cfg.model.name))

@@ -680,7 +680,7 @@ class Audit:
 
 def _queued(path: Path) -> set[str]:
     """The ids of the groups a stopped server's queue journal holds, waiting or leased."""
-    from rollout_server.queue import Journal
+    from rollout_server.production.queue import Journal
 
     if not path.is_file():
         return set()

@@ -1,6 +1,7 @@
 """env.kind = "verifiers": an environment of the `verifiers` library (its v1 API: a taskset of tasks, the
 agents' seats, each played by a harness program on a runtime), loaded from env.verifiers, and its tasks as
-tandem's problems. What plays the episodes on tandem's engine is rollout_server/verifiers_runner.py.
+tandem's problems. What plays the episodes on tandem's engine is
+rollout_server/environments/verifiers_runner.py.
 
 The library is optional (`pip install 'tandem[verifiers]'`) and moves fast: SUPPORTED is the range tandem
 is tested on, checked at start and by --check-config. A seat that names no harness gets the library's
@@ -75,7 +76,7 @@ def env_config(cfg: EnvConfig):
         raise ConfigError(msg) from None
 
 
-BRIDGE = "rollout_server.verifiers_renderer.BridgeRenderer"  # env.renderer = "bridge"
+BRIDGE = "rollout_server.environments.verifiers_renderer.BridgeRenderer"  # env.renderer = "bridge"
 
 
 def renderer_config(cfg: EnvConfig):

@@ -9,8 +9,8 @@ import json
 import math
 from pathlib import Path
 
-from rollout_server.app import create_app
-from rollout_server.backend import GenerationAborted, Piece, Sample, TokenLogprob
+from rollout_server.engines.base import GenerationAborted, Piece, Sample, TokenLogprob
+from rollout_server.serving.app import create_app
 from shared.config import TandemConfig
 from shared.datasets import Problem
 

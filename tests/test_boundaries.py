@@ -62,7 +62,7 @@ def test_one_module_imports_each_engine():
         )
         for engine in ("vllm", "deepspeed")
     }
-    assert users == {"vllm": ["rollout_server/vllm_backend.py"], "deepspeed": ["learner/engine.py"]}
+    assert users == {"vllm": ["rollout_server/engines/vllm.py"], "deepspeed": ["learner/engine.py"]}
 
 
 def _module_graph() -> dict[str, set[str]]:
@@ -105,7 +105,33 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m)
-    assert "rollout_server.app" in graph and graph["rollout_server.app"]  # the graph is really built
+    app = "rollout_server.serving.app"
+    assert app in graph and graph[app]  # the graph is really built
+
+
+# The rollout server's wings, and the other wings each may import (tool_calls.py, the tool-call format, sits
+# beside them for all): engines sample and score, production makes groups with an engine, environments
+# from outside tandem play on production's formats, serving puts them all on HTTP.
+WINGS = {
+    "engines": set(),
+    "production": {"engines"},
+    "environments": {"engines", "production"},
+    "serving": {"engines", "production", "environments"},
+}
+
+
+def test_each_wing_of_the_rollout_server_imports_only_the_wings_below_it():
+    graph = _module_graph()
+    wing = lambda m: m.split(".")[1] if m.startswith("rollout_server.") else None  # noqa: E731
+    modules = [m for m in graph if m.startswith("rollout_server.")]
+    assert {wing(m) for m in modules} >= set(WINGS)  # every wing exists
+    for m in modules:
+        if wing(m) not in WINGS:  # the package root: __main__, tool_calls
+            assert m in ("rollout_server.__init__", "rollout_server.__main__", "rollout_server.tool_calls"), m
+            continue
+        for d in graph[m]:
+            if wing(d) in WINGS and wing(d) != wing(m):
+                assert wing(d) in WINGS[wing(m)], f"{m} imports {d}: {wing(m)} never imports {wing(d)}"
 
 
 def test_the_product_imports_no_test_or_script_support():

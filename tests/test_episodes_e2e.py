@@ -11,7 +11,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from rollout_server.episodes import Appender
+from rollout_server.production.episodes import Appender
 from shared.config import load_config
 from shared.datasets import chat_prompt_ids, load_problems
 from shared.rewards import reasoning_gym

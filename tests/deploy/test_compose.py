@@ -91,7 +91,7 @@ def _gpus(service) -> list[str]:
 
 
 def test_the_gpu_image_is_the_vllm_release_the_code_is_tested_against_and_has_its_commands():
-    from rollout_server.vllm_backend import SUPPORTED_VLLM
+    from rollout_server.engines.vllm import SUPPORTED_VLLM
 
     dockerfile = (REPO / "deploy/Dockerfile").read_text()
     version = re.search(r"^ARG VLLM_VERSION=(\S+)$", dockerfile, re.M).group(1)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rollout_server.backend import Adapter
-from rollout_server.hf_backend import HFBackend
+from rollout_server.engines.base import Adapter
+from rollout_server.engines.hf import HFBackend
 from tests.fakes import tiny_adapter
 
 pytestmark = [

@@ -5,7 +5,7 @@ import struct
 
 import pytest
 
-from rollout_server.adapters import (
+from rollout_server.production.adapters import (
     STANDARD_TARGETS,
     AdapterRejected,
     AdapterStore,

@@ -12,8 +12,8 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from rollout_server.adapters import AdapterRejected, AdapterStore
-from rollout_server.policy import Policy
+from rollout_server.production.adapters import AdapterRejected, AdapterStore
+from rollout_server.production.policy import Policy
 from shared import protocol as P
 from shared.datasets import Problem, chat_prompt_ids, epoch_order
 from tests.fakes import PROBLEMS, FakeBackend, FakeTokenizer, fake_app, tiny_adapter
@@ -308,9 +308,9 @@ def test_an_environment_that_fails_every_episode_stops_the_server_with_the_reaso
     """env.kind = "verifiers": batches in which every episode failed are trained as zeros at first, but
     FAILING_BATCHES of them in a row stop the server (503, then exit 1) with the environment's reason; one
     good episode in a batch resets the count."""
-    from rollout_server import app as app_module
-    from rollout_server.producer import FAILING_BATCHES
-    from rollout_server.verifiers_runner import Played
+    from rollout_server.environments.verifiers_runner import Played
+    from rollout_server.production.producer import FAILING_BATCHES
+    from rollout_server.serving import app as app_module
 
     def episode(failed):
         return Played([1, 2], [3], [1], [-0.5], "stop", "3", {"correct": 1.0}, 1.0, failed)
@@ -399,7 +399,7 @@ def test_paused_production_queues_the_batch_in_flight_starts_no_other_and_resume
 def test_a_pull_whose_puller_is_gone_leases_nothing(tmp_path):
     """A learner killed while its pull waits: its connection closes, and the groups that come later are
     not leased to it (they held queue slots for server.lease_s before)."""
-    from rollout_server.app import _pull_while_connected
+    from rollout_server.serving.app import _pull_while_connected
 
     backend = FakeBackend(release=asyncio.Event())
     app = fake_app(tmp_path, backend)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from rollout_server.backend import GenerationAborted
-from rollout_server.generate_api import _generate_in_chunks
-from rollout_server.producer import StateError, load_cursor
+from rollout_server.engines.base import GenerationAborted
+from rollout_server.production.producer import StateError, load_cursor
+from rollout_server.serving.generate_api import _generate_in_chunks
 from shared.config import TandemConfig
 from shared.datasets import epoch_order
 from tests.fakes import PROBLEMS, FakeBackend, fake_app
@@ -91,7 +91,7 @@ def test_an_engine_failing_during_shutdown_is_no_reason_to_be_restarted():
     adapter): during a shutdown that is the stop signal's doing, not a failure (exit 1)."""
     from types import SimpleNamespace
 
-    from rollout_server.app import _producer_done
+    from rollout_server.serving.app import _producer_done
 
     async def dies():
         raise RuntimeError("EngineCore encountered an issue")
@@ -197,9 +197,9 @@ def test_serve_exits_1_when_the_producer_dies_so_a_supervisor_restarts_it(tmp_pa
     second batch fails as a dead engine core would. The process must end (code 1), not linger on 503."""
     import signal
 
-    import rollout_server.serve as app_module
+    import rollout_server.serving.serve as app_module
     from harness.net import free_port
-    from rollout_server.serve import serve
+    from rollout_server.serving.serve import serve
 
     async def fake_backend(cfg, model_path, inspected=None, fork_engine=False):
         assert fork_engine  # the server's own process has computed nothing: vLLM's engine may be forked
@@ -286,7 +286,7 @@ def test_a_server_killed_outright_takes_back_its_queue_and_its_cursor(tmp_path, 
 
 
 def test_a_saved_queue_of_another_model_is_dropped_and_a_damaged_one_named(tmp_path, caplog):
-    from rollout_server.producer import load_queue
+    from rollout_server.production.producer import load_queue
 
     path = tmp_path / "queue.json"
     path.write_text(json.dumps({"model": "other-model", "ready": [{"not": "a group"}], "leases": {}}))

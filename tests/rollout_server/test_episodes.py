@@ -13,8 +13,9 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from rollout_server.backend import Sample
-from rollout_server.episodes import Appender, parse_tool_calls
+from rollout_server.engines.base import Sample
+from rollout_server.production.episodes import Appender
+from rollout_server.tool_calls import parse_tool_calls
 from shared.datasets import Problem
 from tests.fakes import fake_app
 
@@ -244,7 +245,7 @@ def test_the_appended_tokens_are_the_templates_for_the_message_after_an_end_of_t
 
 
 def test_a_tool_without_a_schema_is_refused_at_start_naming_it(tmp_path):
-    from rollout_server.episodes import EpisodeError, build
+    from rollout_server.production.episodes import EpisodeError, build
     from shared.config import EnvConfig
 
     (tmp_path / "t.py").write_text("def bare(x):\n    return x\n")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from rollout_server.guard import RequestGuard
+from rollout_server.serving.guard import RequestGuard
 
 LIMIT = 1000
 

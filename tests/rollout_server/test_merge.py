@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_server.backend import Adapter
-from rollout_server.engine_gates import MergedWeights
-from rollout_server.vllm_merge import MergeError, MergeWorker, fused_group, merged, read_adapter
+from rollout_server.engines.base import Adapter
+from rollout_server.engines.gates import MergedWeights
+from rollout_server.engines.vllm_merge import MergeError, MergeWorker, fused_group, merged, read_adapter
 from tests.fakes import tiny_adapter
 
 

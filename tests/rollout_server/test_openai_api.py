@@ -12,7 +12,7 @@ import openai
 import pytest
 from fastapi.testclient import TestClient
 
-from rollout_server.backend import TokenLogprob
+from rollout_server.engines.base import TokenLogprob
 from shared.datasets import chat_prompt_ids
 from tests.fakes import FakeBackend, FakeTokenizer, fake_app, tiny_adapter
 from tests.rollout_server.test_app import _publish
@@ -302,7 +302,7 @@ def test_chat_completions_offer_tools_and_take_back_a_conversation_with_calls(tm
     of its text)."""
     import json
 
-    from rollout_server.episodes import TOOLS_PREAMBLE
+    from rollout_server.tool_calls import TOOLS_PREAMBLE
 
     backend = FakeBackend()
     call = {"id": "c1", "type": "function", "function": {"name": "multiply", "arguments": '{"a": 2, "b": 3}'}}
@@ -372,7 +372,7 @@ def test_a_template_that_writes_tool_calls_gets_a_conversation_s_calls_structure
     """A chat template with a place for calls (Qwen's, Llama 3's) gets an assistant's tool_calls as they
     are, arguments as an object, and writes them as its model reads them; SmolLM2's ChatML (the test
     above) gets them written into the content in tandem's own form."""
-    from rollout_server.episodes import renders_tool_calls
+    from rollout_server.tool_calls import renders_tool_calls
 
     backend = FakeBackend()
     backend.tokenizer = NativeToolsTokenizer()
@@ -396,7 +396,7 @@ def test_a_template_that_writes_tool_calls_gets_a_conversation_s_calls_structure
 def test_a_reply_s_tool_call_blocks_become_openai_tool_calls():
     import json
 
-    from rollout_server.openai_api import reply
+    from rollout_server.serving.openai_api import reply
 
     made = reply(
         'Let me. <tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>', [MULTIPLY]
@@ -415,8 +415,8 @@ def test_a_reply_s_tool_call_blocks_become_openai_tool_calls():
 
 
 def test_a_reply_with_a_tool_call_comes_back_as_openai_writes_it_streamed_or_not(tmp_path, monkeypatch):
-    from rollout_server import openai_api
-    from rollout_server.openai_schema import CalledFunction, ChatReply, ToolCall
+    from rollout_server.serving import openai_api
+    from rollout_server.serving.openai_schema import CalledFunction, ChatReply, ToolCall
 
     made = ChatReply(
         content=None,

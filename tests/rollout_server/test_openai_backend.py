@@ -11,8 +11,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from rollout_server.backend import Adapter, AdapterLoadError
-from rollout_server.openai_backend import OpenAIBackend, check_processed_logprobs
+from rollout_server.engines.base import Adapter, AdapterLoadError
+from rollout_server.engines.external import OpenAIBackend, check_processed_logprobs
 from shared.config import ConfigError, TandemConfig
 
 RAW = {10: -0.5, 11: -1.5, 12: -3.0}  # the fake model's next-token logprobs, at every position
@@ -216,7 +216,7 @@ def test_versions_go_only_where_loaded_and_a_lost_endpoint_is_brought_back(token
 def test_older_versions_loaded_for_evaluations_do_not_pile_up_on_the_engine(tokenizer):
     """Versions no longer served that requests ask for are loaded where they go, and beyond ON_DEMAND_KEPT
     the least recently asked-for is unloaded again; the served version stays."""
-    from rollout_server.openai_backend import ON_DEMAND_KEPT
+    from rollout_server.engines.external import ON_DEMAND_KEPT
 
     a = FakeEngine(tokenizer)
     backend = _backend(tokenizer, {"http://a:8000": a})

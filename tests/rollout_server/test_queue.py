@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from rollout_server.queue import LeaseError, LeaseQueue
+from rollout_server.production.queue import LeaseError, LeaseQueue
 from shared.protocol import Completion, ScoredGroup
 
 
@@ -152,7 +152,7 @@ def test_the_journal_replays_to_the_queue_after_any_sequence_of_changes(tmp_path
     way: after each change, a queue rebuilt from the file alone (what a killed server has) is the queue."""
     import random
 
-    from rollout_server.queue import Journal
+    from rollout_server.production.queue import Journal
 
     async def body():
         rng, clock, n = random.Random(0), Clock(), 0
@@ -200,8 +200,8 @@ class _maybe_conflict:
 
 
 def test_a_journal_cut_short_by_a_kill_loses_only_the_change_being_written(tmp_path, caplog):
-    from rollout_server.producer import StateError
-    from rollout_server.queue import Journal
+    from rollout_server.production.producer import StateError
+    from rollout_server.production.queue import Journal
 
     async def body():
         q = LeaseQueue(capacity=6, lease_s=5.0)
@@ -235,7 +235,7 @@ def test_a_retried_pull_gets_its_lease_again_also_after_a_restart(tmp_path):
     """A pull whose answer is lost on the way (a reset connection) is retried with the same request id:
     it must get the same lease, not a second one holding more groups until lease_s runs out (the soak
     found 2 groups held so at its end)."""
-    from rollout_server.queue import Journal
+    from rollout_server.production.queue import Journal
 
     async def body():
         q = LeaseQueue(capacity=10, lease_s=5.0)

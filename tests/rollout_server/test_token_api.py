@@ -10,7 +10,7 @@ from array import array
 import pytest
 from fastapi.testclient import TestClient
 
-from rollout_server.token_api import Record, Records, digest
+from rollout_server.serving.token_api import Record, Records, digest
 from tests.fakes import FakeBackend, fake_app, tiny_adapter
 from tests.rollout_server.test_app import _publish
 

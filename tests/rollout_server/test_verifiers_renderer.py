@@ -1,4 +1,5 @@
-"""env.renderer = "bridge" (rollout_server/verifiers_renderer.py): the verifiers training client's next turn
+"""env.renderer = "bridge" (rollout_server/environments/verifiers_renderer.py): the verifiers training
+client's next turn
 keeps the previous prompt and the sampled reply as they were, token for token, and adds what the model's
 chat template adds, so a reply that tokenizes differently from how it was sampled no longer splits the
 episode; a template the bridge cannot read is left to full renders. And env.renderer's errors, one line."""
@@ -40,7 +41,7 @@ def _full(renderer, reply: str, tail=FOLLOW_UP) -> list[int]:
 
 
 def test_env_renderer_bridge_is_the_bridge_renderer(renderer):
-    from rollout_server.verifiers_renderer import BridgeRenderer
+    from rollout_server.environments.verifiers_renderer import BridgeRenderer
 
     assert type(renderer) is BridgeRenderer
 
@@ -176,7 +177,7 @@ def test_tools_a_template_ignores_are_described_in_the_system_message_and_calls_
     does and reads <tool_call> blocks back as the library's tool calls, so the null harness can run them."""
     from renderers.base import ToolCallParseStatus as Status
 
-    from rollout_server.episodes import TOOLS_PREAMBLE
+    from rollout_server.tool_calls import TOOLS_PREAMBLE
 
     assert renderer.supports_tools
     rendered = renderer.render(QUESTION, tools=TOOLS, add_generation_prompt=True)

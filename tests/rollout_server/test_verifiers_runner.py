@@ -9,8 +9,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from rollout_server.token_api import Record, Records, digest
-from rollout_server.verifiers_runner import as_played
+from rollout_server.environments.verifiers_runner import as_played
+from rollout_server.serving.token_api import Record, Records, digest
 from shared import verifiers_tasks
 from shared.cli import check_task
 from shared.config import ConfigError, TandemConfig

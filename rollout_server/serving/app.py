@@ -2,7 +2,7 @@
 
 Every POST mutates or spends engine time and so requires `Authorization: Bearer <token>` when a token
 is configured (environment variable named by `server.api_token_env`); GET /health and /metrics are open.
-The token and the body's size are checked before the body is read (rollout_server/guard.py).
+The token and the body's size are checked before the body is read (rollout_server/serving/guard.py).
 
 If the producer dies (an engine failure), /health answers 503 and the server shuts down and exits 1, so
 a supervisor (Compose, SLURM, systemd) restarts it; it restores its newest valid adapter on the way up.
@@ -28,8 +28,9 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from rollout_server import generate_api, openai_api, openai_schema, token_api
-from rollout_server.adapters import (
+from rollout_server.engines.base import GenerationAborted, RolloutBackend
+from rollout_server.environments.verifiers_runner import VerifiersRunner
+from rollout_server.production.adapters import (
     AdapterRejected,
     AdapterStore,
     linear_modules,
@@ -38,17 +39,16 @@ from rollout_server.adapters import (
     validate_adapter,
     validate_folder,
 )
-from rollout_server.backend import GenerationAborted, RolloutBackend
-from rollout_server.deps import server_of
-from rollout_server.evaluation import OpenAIState
-from rollout_server.events import EventLog
-from rollout_server.guard import RequestGuard
-from rollout_server.metrics import ServerMetrics
-from rollout_server.openai_schema import OpenAIError
-from rollout_server.policy import Policy
-from rollout_server.producer import Producer, load_queue
-from rollout_server.queue import Journal, LeaseError, LeaseQueue
-from rollout_server.verifiers_runner import VerifiersRunner
+from rollout_server.production.events import EventLog
+from rollout_server.production.policy import Policy
+from rollout_server.production.producer import Producer, load_queue
+from rollout_server.production.queue import Journal, LeaseError, LeaseQueue
+from rollout_server.serving import generate_api, openai_api, openai_schema, token_api
+from rollout_server.serving.deps import server_of
+from rollout_server.serving.guard import RequestGuard
+from rollout_server.serving.metrics import ServerMetrics
+from rollout_server.serving.openai_schema import OpenAIError
+from rollout_server.serving.traffic import OpenAIState
 from shared import protocol as P
 from shared.config import TandemConfig
 from shared.datasets import DatasetError, Problem, render

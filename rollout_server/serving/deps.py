@@ -1,4 +1,4 @@
-"""What every router's handlers depend on: the app's Server (rollout_server/app.py), built in its lifespan."""
+"""What every router's handlers depend on: the app's Server (serving/app.py), built in its lifespan."""
 
 from __future__ import annotations
 

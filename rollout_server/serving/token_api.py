@@ -8,7 +8,7 @@ sampling_params.logprobs is set, one entry per token with the logprob of the dis
 (after temperature and top_p, as the learner's sampler logprobs are), its id both as `token_id` (vLLM's
 field) and as `token: "token_id:<id>"` (what the `renderers` client of verifiers reads), so either kind of
 client reads it. `model` names a version as the OpenAI routes do ('base', 'policy-v<N>', 'latest'; none:
-the one served); sleep, slots and errors are theirs too (rollout_server/evaluation.py, openai_schema.py).
+the one served); sleep, slots and errors are theirs too (rollout_server/serving/traffic.py, openai_schema.py).
 A sampling parameter this server cannot honour gets a 400 naming it, unless it carries the value that
 changes nothing.
 
@@ -31,10 +31,10 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rollout_server.backend import TextRequest
-from rollout_server.deps import server_of
-from rollout_server.evaluation import check_length, check_sequences, collect, resolve, sequence
-from rollout_server.openai_schema import (
+from rollout_server.engines.base import TextRequest
+from rollout_server.environments.verifiers_runner import PRODUCTION_HEADER
+from rollout_server.serving.deps import server_of
+from rollout_server.serving.openai_schema import (
     ERRORS,
     MAX_LOGPROBS,
     MAX_STOP,
@@ -43,7 +43,7 @@ from rollout_server.openai_schema import (
     is_no_op,
     stop_list,
 )
-from rollout_server.verifiers_runner import PRODUCTION_HEADER
+from rollout_server.serving.traffic import check_length, check_sequences, collect, resolve, sequence
 
 RECORDS = 65_536  # choices kept for checking: minutes of rollouts at any batch size this server runs
 # Accepted and ignored (docs/openai.md); routed_experts_prompt_start is where a mixture-of-experts model's
@@ -255,7 +255,7 @@ async def generate(req: TokensRequest, http: Request, s=Depends(server_of)):
         stop_token_ids=tuple(sp.stop_token_ids),
         logprobs=sp.logprobs,
     )
-    # the `verifiers` environment's turns are production (rollout_server/verifiers_runner.py), not evaluation
+    # the `verifiers` environment's turns are production (environments/verifiers_runner.py), not evaluation
     runner = s.producer.verifiers
     production = runner is not None and http.headers.get(PRODUCTION_HEADER) == runner.secret
     choices = await collect(s, [sequence(s, prompt, request, adapter, not production) for _ in range(sp.n)])

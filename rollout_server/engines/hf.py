@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from rollout_server.backend import Adapter, AdapterLoadError, Piece, Sample, TextRequest, TokenLogprob
+from rollout_server.engines.base import Adapter, AdapterLoadError, Piece, Sample, TextRequest, TokenLogprob
 from shared.config import TandemConfig
 
 

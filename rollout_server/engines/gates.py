@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from contextlib import asynccontextmanager
 
-from rollout_server.backend import Adapter
+from rollout_server.engines.base import Adapter
 
 
 class ScoringGate:

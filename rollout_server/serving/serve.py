@@ -8,10 +8,10 @@ import logging
 import signal
 from pathlib import Path
 
-from rollout_server.app import create_app
-from rollout_server.backend import RolloutBackend
-from rollout_server.producer import StateError, load_cursor, load_queue
-from rollout_server.queue import Journal
+from rollout_server.engines.base import RolloutBackend
+from rollout_server.production.producer import StateError, load_cursor, load_queue
+from rollout_server.production.queue import Journal
+from rollout_server.serving.app import create_app
 from shared.config import TandemConfig
 from shared.datasets import DatasetError, Problem
 
@@ -24,16 +24,17 @@ async def make_backend(
     """Choose the engine by `server.backend`. Each implementation module is the only one importing its
     engine, so the other's dependencies need not be installed. `inspected`: the external endpoints
     _prepare checked (server.backend = "openai"). `fork_engine`: this process has run no torch computation
-    (the server's own process), so vLLM's engine process may be forked from it (vllm_backend.start_engine)."""
+    (the server's own process), so vLLM's engine process may be forked from it (engines/vllm.py,
+    start_engine)."""
     if cfg.server.backend == "vllm":
-        from rollout_server.vllm_backend import VllmBackend
+        from rollout_server.engines.vllm import VllmBackend
 
         return await VllmBackend.create(cfg, model_path, fork_engine=fork_engine)
     if cfg.server.backend == "openai":
-        from rollout_server.openai_backend import OpenAIBackend
+        from rollout_server.engines.external import OpenAIBackend
 
         return await OpenAIBackend.create(cfg, model_path, inspected)
-    from rollout_server.hf_backend import HFBackend
+    from rollout_server.engines.hf import HFBackend
 
     return await HFBackend.create(cfg, model_path)
 
@@ -45,7 +46,7 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int, dict[str, str]
     external endpoints found fit for training ({url: base model name}; server.backend = "openai")."""
     from transformers import AutoTokenizer
 
-    from rollout_server.vllm_backend import check_vllm_settings, check_vllm_version  # import no vllm
+    from rollout_server.engines.vllm import check_vllm_settings, check_vllm_version  # import no vllm
     from shared.datasets import drop_long_prompts, load_problems
     from shared.models import resolve_model
     from shared.rewards import resolve
@@ -59,7 +60,7 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int, dict[str, str]
     if cfg.server.backend == "openai":  # what training needs from each endpoint (ConfigError: one line)
         import asyncio
 
-        from rollout_server.openai_backend import OpenAIBackend
+        from rollout_server.engines.external import OpenAIBackend
 
         inspected = asyncio.run(OpenAIBackend.check(cfg, model_path))
     if cfg.env.kind == "verifiers":  # the environment's tasks are the problems (ConfigError: one line)
@@ -80,7 +81,7 @@ def _prepare(cfg: TandemConfig) -> tuple[str, list[Problem], int, dict[str, str]
             )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if cfg.env.turns:  # its functions import, its tools have schemas, the template appends
-        from rollout_server.episodes import build
+        from rollout_server.production.episodes import build
 
         build(cfg.env, tokenizer)
     problems, dropped = drop_long_prompts(problems, tokenizer, cfg.model.max_model_len)
@@ -126,7 +127,7 @@ def serve(cfg: TandemConfig) -> int:
     """Run the server until SIGTERM/SIGINT (exit 0) or until its producer dies (exit 1)."""
     import uvicorn
 
-    from rollout_server.vllm_backend import VllmVersionError
+    from rollout_server.engines.vllm import VllmVersionError
     from shared.config import ConfigError
     from shared.models import ModelError
 

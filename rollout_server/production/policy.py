@@ -13,8 +13,8 @@ import asyncio
 import logging
 from collections import Counter
 
-from rollout_server.adapters import AdapterRejected, AdapterStore
-from rollout_server.backend import Adapter, AdapterLoadError, RolloutBackend
+from rollout_server.engines.base import Adapter, AdapterLoadError, RolloutBackend
+from rollout_server.production.adapters import AdapterRejected, AdapterStore
 
 log = logging.getLogger("tandem.server")
 
