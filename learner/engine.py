@@ -225,3 +225,18 @@ def gather_objects(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def build_beside_server(client, cfg: TandemConfig, shares_gpu: bool, build, log):
+    """Build the engine so that the two processes never peak together on a shared GPU: the server sleeps
+    while the learner builds (sync_server wakes it), and then the learner's frozen weights go to host RAM,
+    where they wait whenever the server is awake. Returns (engine, offload: whether they do)."""
+    offload = client is not None and shares_gpu and cfg.learner.offload_weights_while_generating
+    if client is not None and shares_gpu:
+        client.sleep()
+    engine = build()
+    offload = broadcast_object(offload)
+    if offload:
+        moved = move_frozen(engine.module, "cpu")
+        log(f"frozen weights ({moved / 2**30:.2f} GiB) in host RAM while the server generates")
+    return engine, offload

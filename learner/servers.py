@@ -8,19 +8,17 @@ import contextlib
 import os
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from learner import checkpoint as ckpt
 from learner.batch import is_degenerate, is_stale
 from learner.client import Interrupted, RolloutClient, ServerError
-from learner.engine import broadcast_object, move_frozen
 from learner.pool import ServerPool
 from learner.process import Stop
+from learner.pulled import Pulled
 from shared import protocol as P
 from shared.config import TandemConfig
-from shared.protocol import ScoredGroup
 
 
 class Servers(Protocol):
@@ -41,18 +39,6 @@ class Servers(Protocol):
     def wake(self) -> P.SleepState: ...
     def metrics(self) -> dict[str, float]: ...
     def close(self) -> None: ...
-
-
-@dataclass
-class Pulled:
-    groups: list[ScoredGroup]
-    lease_ids: list[str]
-    seen: int = 0  # non-stale groups pulled
-    stale: int = 0
-    degenerate: int = 0
-    dropped_degenerate: int = 0
-    seconds: float = 0.0
-    error: str | None = None  # out_dir could not record the leases (they were given back): the step stops
 
 
 def collect_groups(
@@ -235,18 +221,3 @@ def sync_server(client: Servers, engine, state: ckpt.State, out: Path, log) -> N
     folder = ckpt.save_adapter(engine, out, state.version)
     client.publish(state.version, folder)
     log(f"published v{state.version} to the server (it served v{served})")
-
-
-def build_beside_server(client, cfg: TandemConfig, shares_gpu: bool, build, log):
-    """Build the engine so that the two processes never peak together on a shared GPU: the server sleeps
-    while the learner builds (sync_server wakes it), and then the learner's frozen weights go to host RAM,
-    where they wait whenever the server is awake. Returns (engine, offload: whether they do)."""
-    offload = client is not None and shares_gpu and cfg.learner.offload_weights_while_generating
-    if client is not None and shares_gpu:
-        client.sleep()
-    engine = build()
-    offload = broadcast_object(offload)
-    if offload:
-        moved = move_frozen(engine.module, "cpu")
-        log(f"frozen weights ({moved / 2**30:.2f} GiB) in host RAM while the server generates")
-    return engine, offload

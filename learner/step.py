@@ -9,7 +9,6 @@ from learner.attention import with_layout
 from learner.batch import MicroBatch, PackedBatch, collate, is_degenerate, pack, sequences, shard
 from learner.engine import gather_objects, reference_policy
 from learner.grpo import grpo_loss, picked_logprobs, token_logprobs
-from learner.servers import Pulled
 from shared.config import TandemConfig
 from shared.protocol import ScoredGroup
 
@@ -131,30 +130,3 @@ def _combine(key: str, total: float | None, value: float) -> float:
     if total is None:
         return value
     return max(total, value) if key.endswith("_max") else total + value
-
-
-def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
-    rewards = torch.tensor([r for g in pulled.groups for r in g.rewards])
-    lengths = torch.tensor(  # the model's tokens: an episode's environment turns are not its length
-        [c.num_model_tokens for g in pulled.groups for c in g.completions], dtype=torch.float32
-    )
-    truncated = [c.finish_reason == "length" for g in pulled.groups for c in g.completions]
-    tokens = float(lengths.sum())
-    by_function: dict[str, list[float]] = {}
-    for c in (c for g in pulled.groups for c in g.completions):
-        for name, value in c.rewards.items():
-            by_function.setdefault(name, []).append(value)
-    return {
-        **{f"reward/{name}/mean": sum(v) / len(v) for name, v in by_function.items()},
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std(correction=0)),
-        "accuracy": float((rewards >= 1.0).float().mean()),
-        "groups/degenerate": pulled.degenerate / max(pulled.seen, 1),
-        "groups/stale_dropped": float(pulled.stale),
-        "groups/degenerate_dropped": float(pulled.dropped_degenerate),
-        "completion/length": float(lengths.mean()),
-        "completion/truncated": sum(truncated) / len(truncated),
-        "policy/version_lag": sum(version - g.policy_version for g in pulled.groups) / len(pulled.groups),
-        "perf/rollout_tok_s": tokens / max(pulled.seconds, 1e-9),
-        "perf/pull_s": pulled.seconds,
-    }

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from learner import checkpoint as ckpt
-from learner import servers
 from learner.batch import is_degenerate
 from learner.client import Interrupted, ServerError
 from learner.engine import (
     broadcast_object,
+    build_beside_server,
     build_engine,
     gather_objects,
     init_distributed,
@@ -31,8 +31,9 @@ from learner.engine import (
 )
 from learner.metrics import MetricsSink
 from learner.process import Stop, crash_point, keep_freed_memory, pin_threads
-from learner.servers import Pulled, Servers, ack, collect_or_stop, connect, release, sync_server
-from learner.step import batch_metrics, train_step
+from learner.pulled import Pulled, batch_metrics
+from learner.servers import Servers, ack, collect_or_stop, connect, release, sync_server
+from learner.step import train_step
 from learner.trackers import Trackers
 from shared.config import TandemConfig, check_batch_size
 
@@ -233,7 +234,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool, stop: Stop | None = No
     shares_gpu = cfg.learner.placement == "timeslice" and not on_cpu
     client = connect(cfg, log, stop) if lead and not replay else None
     try:  # from here on the server may be asleep for us: whatever stops us must not leave it so
-        engine, offload = servers.build_beside_server(
+        engine, offload = build_beside_server(
             client, cfg, shares_gpu, lambda: build_engine(cfg, model_path, world, on_cpu), log
         )
         device = next(p.device for p in engine.module.parameters() if p.requires_grad)

@@ -141,3 +141,17 @@ def test_the_product_imports_no_test_or_script_support():
         for f in _files(pkg):
             support = _imports(f) & {"harness", "tests", "scripts"}
             assert not support, (str(f.relative_to(REPO)), support)
+
+
+def test_the_learners_step_math_never_reaches_its_servers():
+    """The step's math (and the batch it trains on) reaches no HTTP module, directly or through another:
+    the conversation with the servers is learner/servers.py's, and the loop joins the two."""
+    graph = _module_graph()
+    http = {"learner.servers", "learner.client", "learner.pool"}
+    for start in ("learner.step", "learner.grpo", "learner.batch", "learner.pulled", "learner.engine"):
+        seen, todo = set(), [start]
+        while todo:
+            for d in graph[todo.pop()] - seen:
+                seen.add(d)
+                todo.append(d)
+        assert not seen & http, (start, sorted(seen & http))

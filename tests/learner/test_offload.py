@@ -57,26 +57,27 @@ class _Recorder:
 def test_on_a_shared_gpu_the_learner_builds_while_the_server_sleeps(model, monkeypatch):
     """The order of start-up on one GPU (time-sliced), with the GPU swapped for the CPU: the server is
     asleep before the learner's weights arrive, and they leave again before anything wakes it."""
-    import learner.servers as servers
+    import learner.engine as engine_module
+    from learner.engine import build_beside_server
     from shared.config import TandemConfig
 
-    monkeypatch.setattr(servers, "broadcast_object", lambda x: x)  # one process
+    monkeypatch.setattr(engine_module, "broadcast_object", lambda x: x)  # one process
     moves = []
-    monkeypatch.setattr(servers, "move_frozen", lambda module, device: moves.append(device) or 0)
+    monkeypatch.setattr(engine_module, "move_frozen", lambda module, device: moves.append(device) or 0)
     server = _Recorder()
 
     def build():
         server.calls.append("learner builds")
         return type("Engine", (), {"module": model})()
 
-    engine, offload = servers.build_beside_server(server, TandemConfig(), True, build, log=lambda *a: None)
+    engine, offload = build_beside_server(server, TandemConfig(), True, build, log=lambda *a: None)
     assert server.calls == ["server sleeps", "learner builds"] and moves == ["cpu"] and offload
     # Not shared (split placement, or CPU): no sleep, no move.
     server.calls, moves[:] = [], []
-    _, offload = servers.build_beside_server(server, TandemConfig(), False, build, log=lambda *a: None)
+    _, offload = build_beside_server(server, TandemConfig(), False, build, log=lambda *a: None)
     assert server.calls == ["learner builds"] and moves == [] and not offload
     # Shared, with the offload turned off: still built while the server sleeps.
     server.calls = []
     cfg = TandemConfig.model_validate({"learner": {"offload_weights_while_generating": False}})
-    _, offload = servers.build_beside_server(server, cfg, True, build, log=lambda *a: None)
+    _, offload = build_beside_server(server, cfg, True, build, log=lambda *a: None)
     assert server.calls == ["server sleeps", "learner builds"] and not offload
