@@ -144,6 +144,17 @@ class TandemConfig(Section):
                 f"server.shard_index={self.server.shard_index} must be below server.num_shards="
                 f"{self.server.num_shards} (shards count from 0)"
             )
+        shaping = [f for f in ("overlong_buffer", "length_penalty") if getattr(self.reward, f)]
+        if shaping and self.env.kind != "single_turn":
+            raise ValueError(
+                f"reward.{shaping[0]} shapes single-turn completions by their length against "
+                f"sampling.max_new_tokens; env.kind = {self.env.kind!r} plays episodes (set it to 0 there)"
+            )
+        if self.reward.overlong_buffer > self.sampling.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer={self.reward.overlong_buffer} is longer than "
+                f"sampling.max_new_tokens={self.sampling.max_new_tokens}: it counts the tokens before the cap"
+            )
         urls = self.learner.server_urls
         if len(set(urls)) != len(urls):
             raise ValueError("learner.server_urls lists a server twice")

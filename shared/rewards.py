@@ -188,8 +188,30 @@ def resolve(cfg: RewardConfig) -> list[RewardFunction]:
         name = spec if spec in BUILTINS else spec.rpartition(":")[2]
         if any(f.name == name for f in out):
             raise ConfigError(f"reward.functions[{i}]: a second function named '{name}' (names must differ)")
+        if name in SHAPING_PARTS:
+            raise ConfigError(f"reward.functions[{i}]: '{name}' names a length-shaping part; rename it")
         out.append(RewardFunction(name, spec, weight, spec in BUILTINS and BUILTINS[spec][1], fn))
     return out
+
+
+SHAPING_PARTS = ("overlong_penalty", "length_penalty")
+
+
+def length_shaping(tokens: int, max_tokens: int, cfg: RewardConfig) -> dict[str, float]:
+    """The length-shaping parts of a completion of `tokens` tokens sampled under a cap of `max_tokens`,
+    added to its reward (none when both are off):
+    - overlong_penalty, DAPO's soft overlong punishment with L_cache = reward.overlong_buffer: 0 up to
+      max_tokens - L_cache tokens, then falling linearly to -reward.overlong_penalty at the cap (and past
+      it): -overlong_penalty * (tokens - (max_tokens - L_cache)) / L_cache;
+    - length_penalty: -reward.length_penalty * tokens / max_tokens.
+    Worked numbers in tests/shared/test_rewards.py."""
+    parts = {}
+    if cfg.overlong_buffer:
+        over = min(max(tokens - (max_tokens - cfg.overlong_buffer), 0), cfg.overlong_buffer)
+        parts["overlong_penalty"] = -cfg.overlong_penalty * over / cfg.overlong_buffer
+    if cfg.length_penalty:
+        parts["length_penalty"] = -cfg.length_penalty * tokens / max_tokens
+    return parts
 
 
 def load_env(cfg: EnvConfig) -> dict[str, Callable[..., Any]]:

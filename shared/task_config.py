@@ -173,6 +173,23 @@ class RewardConfig(Section):
         "'zero' from every function (its answer was never finished, and a verifier that falls back to the "
         "last number would credit a half-written line). Training only: learner.evaluate scores as usual",
     )
+    overlong_buffer: int = Field(
+        default=0,
+        ge=0,
+        description="DAPO's soft overlong punishment: over the last N tokens before sampling.max_new_tokens "
+        "a completion's reward falls linearly, by overlong_penalty at the cap (a part named "
+        "'overlong_penalty' in its rewards and metrics). 0: off. Training only, single-turn tasks only",
+    )
+    overlong_penalty: float = Field(
+        default=1.0, ge=0, le=1e6, description="the overlong punishment at the cap (DAPO: 1)"
+    )
+    length_penalty: float = Field(
+        default=0.0,
+        ge=0,
+        le=1e6,
+        description="a linear length penalty: each completion's reward less this x its tokens / "
+        "sampling.max_new_tokens (a part named 'length_penalty'). 0: off. Training only, single-turn only",
+    )
     workers: int = Field(
         default=2,
         ge=1,

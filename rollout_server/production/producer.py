@@ -31,7 +31,7 @@ from rollout_server.tool_calls import tools_prompt_ids
 from shared.config import TandemConfig
 from shared.datasets import Problem, chat_prompt_ids, epoch_order
 from shared.protocol import Completion, ScoredGroup
-from shared.rewards import RewardCall, RewardRunner
+from shared.rewards import RewardCall, RewardRunner, length_shaping
 
 log = logging.getLogger("tandem.server")
 
@@ -327,10 +327,14 @@ class Producer:
         zero = [t.env_failed or (self.cfg.reward.truncated == "zero" and t.finish_reason == "length")
                 for *_, group in usable for t in group]  # fmt: skip
         rewards = iter([dict.fromkeys(r, 0.0) if z else r for r, z in zip(rewards, zero, strict=True)])
-        groups = []
+        groups, cap = [], max_tokens  # the cap these completions were sampled under
         for epoch, problem, ids, group in usable:
             scores = [next(rewards) for _ in group]
             totals = [self.rewards.total(r) for r in scores]
+            # length shaping (reward.overlong_buffer, length_penalty): parts of their own, added unweighted
+            shaping = [length_shaping(len(t.token_ids), cap, self.cfg.reward) for t in group]
+            scores = [r | parts for r, parts in zip(scores, shaping, strict=True)]
+            totals = [t + sum(parts.values()) for t, parts in zip(totals, shaping, strict=True)]
             groups.append(_group(epoch, problem, ids, group, version, scores, totals))
         self.metrics.observe_batch(groups, elapsed)
         return groups

@@ -287,6 +287,19 @@ def test_truncated_completions_score_or_get_zero(tmp_path, truncated, want):
             assert [x["rewards"]["gsm8k"] for x in g["completions"]] == want
 
 
+def test_length_shaping_adds_its_parts_to_each_completion_s_reward(tmp_path):
+    """Every fake completion is 1 token under a cap of 4 (sampling.max_new_tokens): with an overlong
+    buffer of all 4 tokens its penalty is -0.5 * 1/4, the linear one -0.5 * 1/4; "#### 3" is right (1)."""
+    reward = {"overlong_buffer": 4, "overlong_penalty": 0.5, "length_penalty": 0.5}
+    app = fake_app(tmp_path, FakeBackend(), reward=reward, sampling={"max_new_tokens": 4})
+    with TestClient(app) as c:
+        for g in _pull(c, 2)["groups"]:
+            for x in g["completions"]:
+                right = 1.0 if x["text"] == "#### 3" else 0.0
+                assert x["rewards"] == {"gsm8k": right, "overlong_penalty": -0.125, "length_penalty": -0.125}
+                assert x["reward"] == pytest.approx(right - 0.25)
+
+
 def test_non_finite_numbers_in_any_json_body_get_a_4xx_in_json_never_a_500(tmp_path):
     # Python's JSON reader takes NaN and Infinity; FastAPI's validation error echoed them back and could
     # not encode its own answer (500). Every JSON route of the schema, every numeric field, each constant.

@@ -195,3 +195,40 @@ def test_a_call_cancelled_mid_flight_leaves_no_stale_answer(module):
             await runner.close()
 
     assert asyncio.run(go()) == [{"slow_len": 3.0}]
+
+
+@pytest.mark.parametrize(
+    "tokens, want",
+    # DAPO, L_max = 256, L_cache = 64: nothing up to 192 tokens, then (192 - L) / 64, -1 at the cap
+    [(100, 0.0), (192, 0.0), (200, -0.125), (224, -0.5), (256, -1.0), (300, -1.0)],
+)
+def test_overlong_punishment_by_hand(tokens, want):
+    from shared.rewards import length_shaping
+
+    assert length_shaping(tokens, 256, RewardConfig(overlong_buffer=64)) == {"overlong_penalty": want}
+    half = RewardConfig(overlong_buffer=64, overlong_penalty=0.5)
+    assert length_shaping(tokens, 256, half) == {"overlong_penalty": want / 2}
+
+
+def test_linear_length_penalty_by_hand_and_both_off_by_default():
+    from shared.rewards import length_shaping
+
+    assert length_shaping(128, 256, RewardConfig(length_penalty=0.1)) == {"length_penalty": -0.05}
+    assert length_shaping(256, 256, RewardConfig()) == {}
+
+
+def test_length_shaping_is_refused_where_it_cannot_apply(tmp_path):
+    from shared.config import TandemConfig
+
+    with pytest.raises(ValueError, match=r"reward.overlong_buffer shapes single-turn .* env.kind = 'tools'"):
+        TandemConfig.model_validate(
+            {"reward": {"overlong_buffer": 8}, "env": {"kind": "tools", "tools": ["m:f"]}}
+        )
+    with pytest.raises(
+        ValueError, match=r"reward.overlong_buffer=300 is longer than sampling.max_new_tokens"
+    ):
+        TandemConfig.model_validate({"reward": {"overlong_buffer": 300}, "sampling": {"max_new_tokens": 256}})
+    with pytest.raises(ConfigError, match=r"reward.functions\[0\]: 'length_penalty' names a length-shaping"):
+        fn = tmp_path / "mine.py"
+        fn.write_text("def length_penalty(completion, answer, prompt, metadata):\n    return 0.0\n")
+        resolve(RewardConfig(functions=[f"{fn}:length_penalty"]))
