@@ -76,3 +76,50 @@ class MetricsSink:
             self._tb.close()
         if self.trackers:
             self.trackers.close(summary or {})
+
+
+NO_SIGNAL_STEPS = 3  # steps in a row without a learning signal before the learner says so
+
+
+class SignalWatch:
+    """Says, in one line, when the last NO_SIGNAL_STEPS steps had nothing to learn from, and why that
+    usually is: every group's completions scored alike (GRPO's advantages are then all 0, only the KL term
+    moves the policy), or the completions of each group are one and the same. Once per spell: a step with a
+    signal re-arms it."""
+
+    def __init__(self, log, steps: int = NO_SIGNAL_STEPS):
+        self.log, self.steps, self.spell, self.told = log, steps, [], False
+
+    def observe(self, m: dict[str, float]) -> None:
+        flat = m["groups/degenerate"] >= 0.999 or m.get("groups/identical", 0.0) >= 0.9
+        if not flat:
+            self.spell, self.told = [], False
+            return
+        self.spell.append(m)
+        if self.told or len(self.spell) < self.steps:
+            return
+        self.told = True
+        self.log(self.message(self.spell[-self.steps :]))
+
+    def message(self, spell: list[dict[str, float]]) -> str:
+        head = f"no learning signal in the last {len(spell)} steps: "
+        if all(x["reward/mean"] <= 0 and x["reward/std"] == 0 for x in spell):
+            return head + (
+                "every completion scored 0, so every advantage is 0. Likely: the model does not write its "
+                "answer the way the reward function reads it (the task's answer format; for reasoning-gym, "
+                "--data.reasoning_gym.shots=3 and answer_prefill=true), the wrong reward.functions, or "
+                "completions cut before the answer (sampling.max_new_tokens; see completion/truncated)"
+            )
+        if all(x["reward/std"] == 0 for x in spell):
+            return head + (
+                f"every completion scored {spell[-1]['reward/mean']:g}. The task is solved, or the reward "
+                "does not tell completions apart: a harder task (e.g. data.arith.difficulty), or a reward "
+                "that grades"
+            )
+        identical = sum(x.get("groups/identical", 0.0) for x in spell) / len(spell)
+        return head + (
+            f"(nearly) every group's completions scored alike, {100 * identical:.0f} % of groups one and the "
+            "same completion: the policy answers each prompt one way. Options: a higher "
+            "sampling.temperature, a larger sampling.group_size, learner.dynamic_sampling=true (pulls past "
+            "such groups)"
+        )

@@ -40,6 +40,9 @@ def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
         "reward/std": float(rewards.std(correction=0)),
         "accuracy": float((rewards >= 1.0).float().mean()),
         "groups/degenerate": pulled.degenerate / max(pulled.seen, 1),
+        # groups whose G completions are one and the same token sequence: a policy that answers one way
+        "groups/identical": sum(len({tuple(c.token_ids) for c in g.completions}) == 1 for g in pulled.groups)
+        / len(pulled.groups),
         "groups/stale_dropped": float(pulled.stale),
         "groups/degenerate_dropped": float(pulled.dropped_degenerate),
         "completion/length": float(lengths.mean()),

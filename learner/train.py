@@ -29,7 +29,7 @@ from learner.engine import (
     move_frozen,
     optimizer_state_numel,
 )
-from learner.metrics import MetricsSink
+from learner.metrics import MetricsSink, SignalWatch
 from learner.process import Stop, crash_point, keep_freed_memory, pin_threads
 from learner.pulled import Pulled, batch_metrics
 from learner.servers import Servers, ack, collect_or_stop, connect, release, sync_server
@@ -57,6 +57,7 @@ class _Run:
     log: object
     published: bool = True  # False: stopped before the last step's publish (server unreachable)
     held: deque[Pulled] = field(default_factory=deque)  # learner.lag_steps: pulled, waiting their turn
+    watch: SignalWatch | None = None  # rank 0: says when steps carry no learning signal
 
     def held_leases(self) -> list[str]:
         return [lease for p in self.held for lease in p.lease_ids]
@@ -207,6 +208,8 @@ def _loop(run: _Run, state: ckpt.State) -> None:
             metrics |= run.client.metrics()  # several servers: each one's figures
         with ckpt.writing(run.out, "metrics.jsonl"):
             run.sink.write(state.step, metrics, pulled.groups, run.decode)
+        if run.watch is not None:
+            run.watch.observe(metrics)
         t_handoff = time.perf_counter()
         interrupted, queue_depth = _handoff(run, state, pulled, adapter)
         state.pending_leases = []
@@ -259,6 +262,7 @@ def run(cfg: TandemConfig, model_path: str, resume: bool, stop: Stop | None = No
         log(f"steps {state.step + 1}..{cfg.learner.steps}, {world} process(es), {placement} placement")
         decode = tokenizer.decode
         run = _Run(cfg, engine, client, offload, device, out, sink, stop, rank, world, pad_id, decode, log)
+        run.watch = SignalWatch(log) if lead else None
         try:
             _loop(run, state)
         finally:

@@ -140,6 +140,27 @@ def test_the_demo_runs_larger_only_where_the_cpu_computes_in_bf16():
     } <= set(larger)
 
 
+def test_the_demo_shows_the_learner_s_line_when_its_steps_carry_no_signal(tmp_path, capsys):
+    import importlib.util
+
+    from learner.metrics import NO_SIGNAL_STEPS, SignalWatch
+
+    spec = importlib.util.spec_from_file_location("demo", REPO / "scripts/demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    told = []
+    watch = SignalWatch(lambda line: told.append(f"[learner] {line}"))  # as the learner's log() prints it
+    for _ in range(NO_SIGNAL_STEPS):
+        watch.observe({"reward/mean": 0.0, "reward/std": 0.0, "groups/degenerate": 1.0})
+    log = tmp_path / "learner.log"
+    log.write_text("\n".join(["step    3/12 v3 | reward 0.000 | degenerate 1.00", *told, "noise"]) + "\n")
+    finished = type("Proc", (), {"alive": lambda self: False})()
+    demo.follow(finished, log)
+    shown = capsys.readouterr().out.splitlines()
+    assert shown == ["  step    3/12 v3 | reward 0.000 | degenerate 1.00", f"  {told[0]}"]
+    assert "no learning signal in the last 3 steps" in shown[1]
+
+
 def test_the_calculator_example_is_a_task_the_server_takes_and_scores_only_the_product(tmp_path):
     """examples/calculator.py as scripts/bench_agent.py runs it: its splits share no problem, the reward is
     1 only when the last turn ends with the product, and the server's --check-config accepts the task
