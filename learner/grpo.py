@@ -14,7 +14,8 @@ stop-gradient IS weight (MiniMax-M1, 2025).
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -164,6 +165,86 @@ def tis_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor, ca
     return w.clamp(max=cap), w > cap
 
 
+def ppo_clip_objective(
+    ratio: Tensor,
+    adv: Tensor,
+    logprobs: Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    dual_clip: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's clipped surrogate min(ρA, clip(ρ)A), with `dual_clip` bounding it at dual_clip·A where A < 0.
+    Returns (term [N, T], clipped: where the clip binds, capped: where the dual clip does)."""
+    surrogate, clipped = _ppo_clip(ratio, adv, epsilon_low, epsilon_high)
+    capped = torch.zeros_like(clipped)
+    if dual_clip is not None:
+        floor = dual_clip * adv  # [N, 1]; only binds where A < 0
+        capped = (adv < 0) & (surrogate < floor)
+        surrogate = torch.where(capped, floor.expand_as(surrogate), surrogate)
+    return surrogate, clipped, capped
+
+
+def cispo_objective(
+    ratio: Tensor,
+    adv: Tensor,
+    logprobs: Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    dual_clip: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """CISPO: sg(clip(ρ, 1-ε_low, 1+ε_high))·A·log π, the weight clipped, never the gradient (`dual_clip`
+    does not apply). Returns (term, clipped, capped: none)."""
+    bounded = ratio.detach().clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
+    clipped = bounded != ratio.detach()
+    return bounded * adv * logprobs, clipped, torch.zeros_like(clipped)
+
+
+OBJECTIVES = {"ppo_clip": ppo_clip_objective, "cispo": cispo_objective}
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch's tensors for the loss: per-token [N, T] (`mask` 1 on completion tokens), advantages
+    [N]. `old_logprobs`: π_old, the ratio's denominator; `sampler_logprobs`: the behaviour policy (TIS);
+    `ref_logprobs`: the reference (None when β = 0); totals: the whole step's normalisers."""
+
+    logprobs: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor
+    ref_logprobs: Tensor | None = None
+    sampler_logprobs: Tensor | None = None
+    total_sequences: int | None = None
+    total_tokens: int | float | None = None
+
+
+class LossSettings(Protocol):
+    """The loss's settings by name, as the [grpo] section holds them (any object with these fields)."""
+
+    epsilon_low: float
+    epsilon_high: float
+    beta: float
+    kl_estimator: Literal["k3", "k2", "k1"]
+    aggregation: Aggregation
+    dual_clip: float | None
+    tis_cap: float | None
+    tis_level: Level
+    ratio_level: Level
+    loss: Literal["ppo_clip", "cispo"]
+
+
+def loss_of(x: LossInputs, s: LossSettings, max_tokens: int | None = None) -> tuple[Tensor, dict[str, float]]:
+    """grpo_loss on `x` with the settings `s` (`max_tokens`: constant_norm's per-sequence length)."""
+    return grpo_loss(
+        x.logprobs, x.old_logprobs, x.ref_logprobs, x.advantages, x.mask,
+        epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, beta=s.beta, kl_estimator=s.kl_estimator,
+        aggregation=s.aggregation, max_tokens=max_tokens, dual_clip=s.dual_clip,
+        sampler_logprobs=x.sampler_logprobs, tis_cap=s.tis_cap, tis_level=s.tis_level,
+        ratio_level=s.ratio_level, loss_type=s.loss,
+        total_sequences=x.total_sequences, total_tokens=x.total_tokens,
+    )  # fmt: skip
+
+
 def grpo_loss(
     logprobs: Tensor,
     old_logprobs: Tensor,
@@ -207,19 +288,11 @@ def grpo_loss(
     adv = advantages[:, None]  # [N, 1]
     log_ratio = logprobs - old_logprobs
     ratio = sequence_ratio(log_ratio, mask) if ratio_level == "sequence" else torch.exp(log_ratio)
-    capped = torch.zeros_like(mask, dtype=torch.bool)
-    if loss_type == "cispo":
-        bounded = ratio.detach().clamp(1.0 - epsilon_low, 1.0 + epsilon_high)
-        surrogate = bounded * adv * logprobs
-        clipped = bounded != ratio.detach()
-    elif loss_type == "ppo_clip":
-        surrogate, clipped = _ppo_clip(ratio, adv, epsilon_low, epsilon_high)
-        if dual_clip is not None:
-            floor = dual_clip * adv  # [N, 1]; only binds where A < 0
-            capped = (adv < 0) & (surrogate < floor)
-            surrogate = torch.where(capped, floor.expand_as(surrogate), surrogate)
-    else:
+    if loss_type not in OBJECTIVES:
         raise ValueError(f"unknown loss type {loss_type!r}")
+    surrogate, clipped, capped = OBJECTIVES[loss_type](
+        ratio, adv, logprobs, epsilon_low, epsilon_high, dual_clip
+    )
     truncated = torch.zeros_like(capped)
     weights = None
     if tis_cap is not None:

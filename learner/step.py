@@ -8,7 +8,7 @@ import torch
 from learner.attention import with_layout
 from learner.batch import MicroBatch, PackedBatch, collate, is_degenerate, pack, sequences, shard
 from learner.engine import gather_objects, reference_policy
-from learner.grpo import grpo_loss, picked_logprobs, token_logprobs
+from learner.grpo import LossInputs, loss_of, picked_logprobs, token_logprobs
 from shared.config import TandemConfig
 from shared.protocol import ScoredGroup
 
@@ -65,27 +65,10 @@ def micro_loss(
     # "recompute": π_old is the policy at this step's weights, which every micro-batch of the step sees
     # (the optimizer steps once, after the last), so its log-probs are these, detached: no extra forward.
     old = logprobs.detach() if g.old_logprobs == "recompute" else b.sampler_logprobs
-    loss, m = grpo_loss(
-        logprobs,
-        old,
-        ref_logprobs,
-        b.advantages,
-        b.mask,
-        epsilon_low=g.epsilon_low,
-        epsilon_high=g.epsilon_high,
-        beta=g.beta,
-        kl_estimator=g.kl_estimator,
-        aggregation=g.aggregation,
-        max_tokens=cfg.sampling.max_new_tokens,
-        dual_clip=g.dual_clip if g.loss == "ppo_clip" else None,
-        sampler_logprobs=b.sampler_logprobs,
-        tis_cap=g.tis_cap,
-        tis_level=g.tis_level,
-        ratio_level=g.ratio_level,
-        loss_type=g.loss,
-        total_sequences=total_sequences,
-        total_tokens=total_tokens,
+    x = LossInputs(
+        logprobs, old, b.advantages, b.mask, ref_logprobs, b.sampler_logprobs, total_sequences, total_tokens
     )
+    loss, m = loss_of(x, g, max_tokens=cfg.sampling.max_new_tokens)
     m["policy/entropy"] = float((entropy * b.mask).sum() / max(m["tokens"], 1.0))
     return loss, m
 

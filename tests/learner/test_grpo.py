@@ -454,3 +454,29 @@ def test_a_step_sums_token_weighted_metrics_and_maxes_the_maxima():
     assert _combine("is/weight_mean", 3.0, 1.5) == 4.5
     assert _combine("is/weight_max", 1.2, 0.7) == 1.2 and _combine("is/weight_max", 0.7, 1.2) == 1.2
     assert _combine("is/weight_max", None, 0.7) == 0.7
+
+
+@pytest.mark.parametrize("loss", ["ppo_clip", "cispo"])
+def test_the_loss_from_the_grpo_section_is_grpo_loss_with_those_settings(loss):
+    """loss_of(LossInputs, [grpo] section): every setting reaches grpo_loss under its own name (asymmetric
+    clips, the dual clip, TIS and the KL all bind on these numbers, so a crossed wire changes the loss)."""
+    from learner.grpo import LossInputs, loss_of
+    from shared.config import TandemConfig
+
+    torch.manual_seed(0)
+    n, t = 4, 6
+    lp, old, ref, sampler = (torch.randn(n, t) * 0.5 - 1 for _ in range(4))
+    adv, mask = torch.tensor([1.0, -1.0, 0.5, -0.5]), (torch.rand(n, t) > 0.2).float()
+    settings = {"epsilon_low": 0.1, "epsilon_high": 0.3, "beta": 0.05, "kl_estimator": "k2",
+                "aggregation": "constant_norm", "dual_clip": 1.5, "tis_cap": 1.2, "tis_level": "sequence",
+                "ratio_level": "token", "loss": loss}  # fmt: skip
+    if loss == "cispo":  # (the dual clip is PPO's; the config refuses it with CISPO)
+        settings["dual_clip"] = None
+    g = TandemConfig.model_validate({"grpo": {**settings, "old_logprobs": "recompute"}}).grpo
+    got, got_m = loss_of(LossInputs(lp, old, adv, mask, ref, sampler, 8, 40), g, max_tokens=10)
+    kw = {k: v for k, v in settings.items() if k != "loss"}
+    want, want_m = grpo_loss(
+        lp, old, ref, adv, mask, **kw, max_tokens=10, sampler_logprobs=sampler, loss_type=loss,
+        total_sequences=8, total_tokens=40,
+    )  # fmt: skip
+    assert got.item() == want.item() and got_m == want_m
