@@ -36,6 +36,7 @@ class Sequence:
     sampler_logprobs: list[float]
     advantage: float
     model_mask: list[int] | None = None  # None: every completion token is the model's
+    version: int = 0  # the policy version that sampled it (its group's)
 
     @property
     def model_tokens(self) -> int:
@@ -49,7 +50,7 @@ def sequences(groups: list[ScoredGroup], grpo: GRPOConfig) -> tuple[list[Sequenc
         rewards, scale=grpo.scale_rewards, std=grpo.std, baseline=grpo.baseline, eps=grpo.eps
     )
     seqs = [
-        Sequence(g.prompt_token_ids, c.token_ids, c.logprobs, float(adv[b, i]), c.mask)
+        Sequence(g.prompt_token_ids, c.token_ids, c.logprobs, float(adv[b, i]), c.mask, g.policy_version)
         for b, g in enumerate(groups)
         for i, c in enumerate(g.completions)
     ]
@@ -78,6 +79,7 @@ class MicroBatch(_Tensors):
     mask: torch.Tensor  # [n, T] 1 on the model's completion tokens: the loss's; 0 on padding, environment
     sampler_logprobs: torch.Tensor  # [n, T] at the model's tokens, 0 elsewhere
     advantages: torch.Tensor  # [n]
+    versions: torch.Tensor | None = None  # [n] the policy version that sampled each completion
 
 
 def _per_completion(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,7 +113,8 @@ def collate(batch: list[Sequence], pad_id: int) -> MicroBatch:
         positions[i, : len(s.completion)] = torch.arange(
             len(s.prompt) - 1, len(s.prompt) - 1 + len(s.completion)
         )
-    return MicroBatch(input_ids, attention, positions, mask, sampler, advantages)
+    versions = torch.tensor([s.version for s in batch], dtype=torch.long)
+    return MicroBatch(input_ids, attention, positions, mask, sampler, advantages, versions)
 
 
 @dataclass
@@ -133,6 +136,7 @@ class PackedBatch(_Tensors):
     advantages: torch.Tensor  # [n]
     # per row: (start, end) of the prompt, then of each completion, back to back (learner/attention.py)
     layout: list[list[tuple[int, int]]] = field(default_factory=list)
+    versions: torch.Tensor | None = None  # [n] as MicroBatch
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[R, 1, L, L]: 0 where attended, the dtype's minimum elsewhere (eager and SDPA both add it)."""
@@ -180,4 +184,5 @@ def pack(batch: list[Sequence], pad_id: int) -> PackedBatch:
     targets = torch.tensor([t for s in batch for t in s.completion], dtype=torch.long)
     packed = PackedBatch(input_ids, position_ids, allowed, keep, rows, targets, *_per_completion(batch))
     packed.layout = layout
+    packed.versions = torch.tensor([s.version for s in batch], dtype=torch.long)
     return packed

@@ -26,6 +26,11 @@ class ServerUnavailable(ServerError):
     pass
 
 
+class ServedPolicyError(ServerError):
+    """The server's samples of a version are not that version's: it does not serve what was published
+    (learner/train.py, the served-policy check)."""
+
+
 class Interrupted(RuntimeError):
     """A stop was requested (SIGTERM) while waiting for an unreachable server."""
 

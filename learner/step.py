@@ -50,10 +50,18 @@ def completion_logprobs(model, b: MicroBatch | PackedBatch, dtype, temperature: 
 
 
 def micro_loss(
-    engine, b: MicroBatch | PackedBatch, cfg: TandemConfig, total_sequences: int, total_tokens: int
+    engine,
+    b: MicroBatch | PackedBatch,
+    cfg: TandemConfig,
+    total_sequences: int,
+    total_tokens: int,
+    version: int | None = None,
 ):
     """One micro-batch's share of the step's GRPO loss (global normalisers), with its metrics: token
-    means over its completion tokens (policy entropy among them) and their count under "tokens"."""
+    means over its completion tokens (policy entropy among them) and their count under "tokens".
+    `version`: the policy version of the weights this step starts from; the completions that version
+    sampled give "served/gap_sum" and "served/tokens", |log π - log π_sampler| summed over their tokens
+    (the served-policy check: both are the same weights' log-probs, so they differ by the kernels only)."""
     g, lc, temperature = cfg.grpo, cfg.learner, cfg.sampling.temperature
     module = getattr(engine, "module", engine)
     dtype = module.get_input_embeddings().weight.dtype
@@ -70,13 +78,25 @@ def micro_loss(
     )
     loss, m = loss_of(x, g, max_tokens=cfg.sampling.max_new_tokens)
     m["policy/entropy"] = float((entropy * b.mask).sum() / max(m["tokens"], 1.0))
+    if version is not None:
+        on = b.mask * (b.versions == version).to(b.mask.dtype)[:, None]
+        m["served/gap_sum"] = float(((logprobs.detach() - b.sampler_logprobs).abs() * on).sum())
+        m["served/tokens"] = float(on.sum())
     return loss, m
 
 
 def train_step(
-    engine, groups: list[ScoredGroup], cfg: TandemConfig, rank: int, world: int, pad_id: int
+    engine,
+    groups: list[ScoredGroup],
+    cfg: TandemConfig,
+    rank: int,
+    world: int,
+    pad_id: int,
+    version: int | None = None,
 ) -> dict:
-    """One optimizer step over all ranks' shards of the step's B x G completions."""
+    """One optimizer step over all ranks' shards of the step's B x G completions. `version`: the policy
+    version of the weights the step starts from, for the served-policy check ("served/logp_gap": the mean
+    |log π - log π_sampler| over the tokens that version sampled, None when there are none)."""
     lc = cfg.learner
     seqs, advantages = sequences(groups, cfg.grpo)
     total_tokens = sum(s.model_tokens for s in seqs)  # environment tokens are context, scored nowhere
@@ -84,7 +104,7 @@ def train_step(
     sums: dict[str, float] = {}
     for micro in shard(seqs, rank, world, lc.micro_batch_size):
         b = (pack if lc.shared_prompt else collate)(micro, pad_id).to(device)
-        loss, m = micro_loss(engine, b, cfg, len(seqs), total_tokens)
+        loss, m = micro_loss(engine, b, cfg, len(seqs), total_tokens, version)
         # Each shard's loss is its share of the whole step's loss (global normalisers). DeepSpeed divides
         # by the accumulation steps and averages over ranks; undo both so gradients are those of the sum.
         engine.backward(loss * lc.grad_accum * world)
@@ -92,20 +112,29 @@ def train_step(
         n = m.pop("tokens")
         m["loss"] = loss.item()
         for k, v in m.items():
-            sums[k] = _combine(k, sums.get(k), v if k == "loss" or k.endswith("_max") else v * n)
+            sums[k] = _combine(k, sums.get(k), v if _summed(k) else v * n)
         sums["tokens"] = sums.get("tokens", 0.0) + n
     merged: dict[str, float] = {}
     for part in gather_objects(sums):
         for k, v in part.items():
             merged[k] = _combine(k, merged.get(k), v)
     tokens = max(merged.pop("tokens"), 1.0)
-    metrics = {k: (v if k == "loss" or k.endswith("_max") else v / tokens) for k, v in merged.items()}
+    metrics = {k: (v if _summed(k) else v / tokens) for k, v in merged.items()}
+    if version is not None:
+        gap, on = metrics.pop("served/gap_sum"), metrics["served/tokens"]
+        metrics["served/logp_gap"] = gap / on if on else None
     metrics.setdefault("kl/ref", None)  # beta = 0: the reference pass is skipped, so no KL to report
     live = advantages[~torch.tensor([is_degenerate(gr) for gr in groups])]
     metrics["advantage/mean"] = float(live.mean()) if live.numel() else 0.0
     metrics["advantage/std"] = float(live.std(correction=0)) if live.numel() else 0.0
     metrics["grad_norm"] = float(engine.get_global_grad_norm() or 0.0)  # before clipping, all ranks
     return metrics
+
+
+def _summed(key: str) -> bool:
+    """Metrics kept as sums over micro-batches and ranks (the loss, the served-policy sums) or maxima,
+    rather than token-weighted means."""
+    return key == "loss" or key.startswith("served/") or key.endswith("_max")
 
 
 def _combine(key: str, total: float | None, value: float) -> float:

@@ -19,7 +19,7 @@ import torch
 
 from learner import checkpoint as ckpt
 from learner.batch import is_degenerate
-from learner.client import Interrupted, ServerError
+from learner.client import Interrupted, ServedPolicyError, ServerError
 from learner.engine import (
     broadcast_object,
     build_beside_server,
@@ -36,6 +36,28 @@ from learner.servers import Servers, ack, collect_or_stop, connect, release, syn
 from learner.step import train_step
 from learner.trackers import Trackers
 from shared.config import TandemConfig, check_batch_size
+
+# The served-policy check's default bound per training dtype: 10x or more the mean |log π - log π_sampler|
+# on the tokens of the version both sides hold: float32, 3e-6 to 1e-5 measured against vLLM merged, vLLM
+# LoRA and HF (single-turn; the episode tests' re-scoring allows up to 2e-3, so 1e-2); bf16, ~0.025
+# (docs/benchmarks.md §12). A server that kept old weights gave 27 nats here (tests/test_faults.py).
+SERVED_GAP = {torch.float32: 1e-2, torch.bfloat16: 0.25, torch.float16: 0.25}
+MIN_SERVED_TOKENS = 32
+
+
+def served_policy_error(metrics: dict, bound: float, version: int, where: str) -> str | None:
+    """The one line that stops the learner when the tokens stamped with `version` (the weights this step
+    started from) disagree with the learner's own log-probs by more than `bound` (None: they agree, or too
+    few were sampled by it to tell)."""
+    gap, tokens = metrics.get("served/logp_gap"), metrics.get("served/tokens", 0.0)
+    if not bound or gap is None or tokens < MIN_SERVED_TOKENS or gap <= bound:
+        return None
+    return (
+        f"the rollout server ({where}) does not serve the weights published as v{version}: its samples "
+        f"stamped v{version} differ from the learner's v{version} by {gap:.4g} nats a token on "
+        f"{tokens:.0f} tokens (learner.served_policy_max_gap = {bound:g}). The step is not recorded and "
+        "its groups go back; check that the server loads each published adapter (its log, /health)"
+    )
 
 
 @dataclass
@@ -58,6 +80,7 @@ class _Run:
     published: bool = True  # False: stopped before the last step's publish (server unreachable)
     held: deque[Pulled] = field(default_factory=deque)  # learner.lag_steps: pulled, waiting their turn
     watch: SignalWatch | None = None  # rank 0: says when steps carry no learning signal
+    served_gap: float = 0.0  # the served-policy check's bound (0: off)
 
     def held_leases(self) -> list[str]:
         return [lease for p in self.held for lease in p.lease_ids]
@@ -175,9 +198,19 @@ def _loop(run: _Run, state: ckpt.State) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t_train = time.perf_counter()
+        # the same on every rank (only rank 0 holds the client): replayed groups are no server's
+        live = not cfg.learner.replay_file and run.served_gap > 0
         with _profiled(run, state.step + 1):
-            metrics = train_step(engine, pulled.groups, cfg, run.rank, run.world, run.pad_id)
+            metrics = train_step(
+                engine, pulled.groups, cfg, run.rank, run.world, run.pad_id, state.version if live else None
+            )
         train_s = time.perf_counter() - t_train
+        urls = ", ".join(cfg.learner.server_urls)
+        error = served_policy_error(metrics, run.served_gap, state.version, urls)
+        if error is not None:  # every rank holds the same gathered metrics: all stop here together
+            if run.client is not None:
+                release(run.client, pulled.lease_ids)
+            raise ServedPolicyError(error)
         if cuda:  # what training held on the GPU at its busiest (PyTorch's tensors; the context is extra)
             metrics["mem/gpu_train_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
         state.step += 1
@@ -263,6 +296,9 @@ def run(cfg: TandemConfig, model_path: str, resume: bool, stop: Stop | None = No
         decode = tokenizer.decode
         run = _Run(cfg, engine, client, offload, device, out, sink, stop, rank, world, pad_id, decode, log)
         run.watch = SignalWatch(log) if lead else None
+        bound = cfg.learner.served_policy_max_gap
+        dtype = next(engine.module.parameters()).dtype
+        run.served_gap = SERVED_GAP.get(dtype, 0.25) if bound is None else bound
         try:
             _loop(run, state)
         finally:

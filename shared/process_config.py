@@ -487,6 +487,15 @@ class LearnerConfig(Section):
         "N it may use, so that a server on the same machine with server.vllm.cpu_threads (the first N) "
         "does not fight it for cores in split placement. Default: torch's own choice (OMP_NUM_THREADS)",
     )
+    served_policy_max_gap: float | None = Field(
+        default=None,
+        ge=0,
+        description="the served-policy check: a step whose groups of the learner's own version have sampler "
+        "log-probs that differ from the learner's by more than this (mean nats a token) stops the learner "
+        "with one line, nothing acked: the server does not serve the weights it was given. Default: 10x "
+        "and more the gap measured when it does: 0.01 in float32 (measured 3e-6 to 1e-5), 0.25 in bf16 "
+        "(~0.025); a server that kept its old weights gave 27. 0: off",
+    )
     replay_file: str | None = Field(
         default=None,
         description="train on the groups recorded in a previous run's groups.jsonl instead of a server "

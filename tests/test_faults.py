@@ -18,6 +18,7 @@ from tests.helpers import (
     SMALL_RUN,
     Proc,
     jsonl,
+    proc_env,
     server_args,
     start_learner,
     start_server,
@@ -124,3 +125,34 @@ def test_a_server_killed_mid_generation_a_stop_while_it_is_gone_a_resume_and_a_s
     restarted.signal(signal.SIGTERM)
     assert restarted.wait(timeout=60) == 0, restarted.log()[-4000:]
     assert "Application shutdown complete" in restarted.log()
+
+
+def test_a_server_that_keeps_serving_old_weights_stops_the_learner_within_a_step(tmp_path, procs, model_dir):
+    """TANDEM_FAULT_SERVE_PREVIOUS: the server acknowledges v2 but keeps sampling with v1's weights (as one
+    whose adapter never reaches its engine). Step 3 trains groups stamped v2: the learner's own v2 log-probs
+    of their tokens are far from the sampler's, so it stops with one line naming v2, the step unrecorded
+    and its groups given back, none acked. (lr 0.05: each step moves the policy well past fp32's noise.)"""
+    # a reward that tells any two completions of different parity apart: every step has a gradient
+    (tmp_path / "parity.py").write_text(
+        "def odd(completion, answer, prompt, metadata):\n    return len(completion) % 2\n"
+    )
+    rewards = [f'--reward.functions=["{tmp_path / "parity.py"}:odd"]']
+    env = proc_env(TANDEM_FAULT_SERVE_PREVIOUS="1")
+    server, client = start_server(tmp_path, [*SERVER, *rewards, "--sampling.max_new_tokens=16"], env=env)
+    procs.append(server)
+    out = tmp_path / "run"
+    extra = ["--learner.steps=4", "--learner.lr=0.05", *rewards]
+    learner = _learner(client.url, out, [*extra, "--sampling.max_new_tokens=16"], tmp_path / "learner.log")
+    procs.append(learner)
+    assert learner.wait(timeout=600) == 3, learner.log()[-4000:]
+    errors = [line for line in learner.log().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "does not serve the weights published as v2" in errors[0], errors
+    assert client.url in errors[0] and "served_policy_max_gap" in errors[0]
+    assert [r["step"] for r in jsonl(out / "metrics.jsonl")] == [1, 2]  # step 3 is not recorded
+    assert (out / "checkpoints" / "latest").read_text() == "step-2"
+    events = jsonl(tmp_path / "server" / "events.jsonl")
+    leases = [e["lease_id"] for e in events if e["event"] == "lease"]
+    acked = {e["lease_id"] for e in events if e["event"] == "ack"}
+    released = {e["lease_id"] for e in events if e["event"] == "release"}
+    assert leases[-1] in released and leases[-1] not in acked  # step 3's groups went back
+    assert "TANDEM_FAULT_SERVE_PREVIOUS=1: v2 acknowledged, the weights served before kept" in server.log()

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import Counter
 
 from rollout_server.engines.base import Adapter, AdapterLoadError, RolloutBackend
 from rollout_server.production.adapters import AdapterRejected, AdapterStore
 
 log = logging.getLogger("tandem.server")
+# Fault tests only: acknowledge each publish after the first but keep serving the weights served before it,
+# as a server whose adapter never reaches its engine would (the learner's served-policy check must stop).
+SERVE_PREVIOUS = "TANDEM_FAULT_SERVE_PREVIOUS"
 
 
 class Policy:
@@ -100,6 +104,9 @@ class Policy:
                 )
             path = write(version)
             adapter = Adapter(version, str(path))
+            if os.environ.get(SERVE_PREVIOUS) == "1" and self.served is not None:
+                log.warning("%s=1: v%d acknowledged, the weights served before kept", SERVE_PREVIOUS, version)
+                adapter = Adapter(version, self.served.path)
             try:
                 await self.backend.load_adapter(adapter)
             except AdapterLoadError as e:
