@@ -128,7 +128,22 @@ class ServerConfig(Section):
         description="max scored groups queued or leased; time-sliced, ~learner.prompts_per_step (the rest "
         "goes stale while the learner trains)",
     )
-    prompts_per_batch: int = Field(default=8, ge=1, description="prompts sent to the backend at once")
+    prompts_per_batch: int = Field(
+        default=8, ge=1, description="lockstep production: prompts sent to the backend at once"
+    )
+    production: Literal["lockstep", "continuous"] = Field(
+        default="lockstep",
+        description="'lockstep': prompts_per_batch prompts at a time, the next batch once all are queued; "
+        "'continuous': each group started, scored and queued on its own, up to max_inflight_groups at "
+        "once, so the engine never waits for a batch's slowest completion",
+    )
+    max_inflight_groups: int | None = Field(
+        default=None,
+        ge=1,
+        description="continuous production: groups in flight at most (also bounded by the queue's room); "
+        "None: ceil(vllm.max_num_seqs / group_size) + 1 on vLLM (its batch kept full), prompts_per_batch "
+        "on other engines",
+    )
     lease_s: float = Field(default=300.0, gt=0, description="un-acked groups return to the queue after this")
     state_dir: str = Field(
         default="runs/server", description="cursor, adapter store, and the queue a stopped server saved"

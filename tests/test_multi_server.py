@@ -1,6 +1,7 @@
 """Several rollout servers feeding one learner (learner.server_urls, server.shard_index/num_shards), with
 real engines on loopback: two servers split the prompts and both feed the run; one killed mid-run is
-skipped, then, restarted, brought to the current version and pulled from again."""
+skipped, then, restarted, brought to the current version and pulled from again. Server 1 produces
+continuously (server.production), server 0 in lockstep."""
 
 from __future__ import annotations
 
@@ -46,10 +47,13 @@ LEARNER = [
 
 
 def _server(tmp: Path, shard: int, port: int, backend: str, log: str) -> Proc:
+    """Shard 1 produces continuously (groups queued out of order): its kill is continuous production's
+    real-engine kill."""
     args = server_args("deploy/configs/cpu.toml", port, tmp / f"server{shard}", SERVER)
-    return Proc(
-        [*args, f"--server.shard_index={shard}", f"--server.backend={backend}"], tmp / log, proc_env()
-    )
+    args += [f"--server.shard_index={shard}", f"--server.backend={backend}"]
+    if shard == 1:
+        args.append("--server.production=continuous")
+    return Proc(args, tmp / log, proc_env())
 
 
 def _servers(tmp: Path, backend: str, procs: list[Proc]) -> list[str]:
@@ -129,6 +133,9 @@ def test_two_servers_split_the_prompts_and_one_killed_is_skipped_then_brought_ba
         assert {int(e["prompt"].rsplit("-", 1)[1]) % 2 for e in _produced(tmp_path, i)} == {i}
     both = {(e["prompt"], e["epoch"]) for e in _produced(tmp_path, 0)}
     assert not both & {(e["prompt"], e["epoch"]) for e in _produced(tmp_path, 1)}
+    # the killed server, producing continuously: across the kill, no prompt of an epoch made twice
+    again = [(e["prompt"], e["epoch"]) for e in _produced(tmp_path, 1)]
+    assert len(again) == len(set(again)), "a prompt was queued twice across the kill"
     # per server: groups pulled over the run, each server's trained ones and any a kill cut off untrained
     last = jsonl(out / "metrics.jsonl")[-1]
     pulled = {i: last[f"server/{i}/groups"] for i in range(2)}

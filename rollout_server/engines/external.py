@@ -418,8 +418,9 @@ class OpenAIBackend:
                 log.warning("no engine endpoint is up with %s; waiting for one", what)
                 warned = time.monotonic()
             self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), self._probe_s)
+            with contextlib.suppress(TimeoutError):  # (not wait_for: it can swallow a cancellation on 3.11)
+                async with asyncio.timeout(self._probe_s):
+                    await self._changed.wait()
 
     async def _request(self, adapter: Adapter | None, **body) -> dict:
         """A generate-route call on an endpoint serving `adapter`, retried on another if that one is lost."""

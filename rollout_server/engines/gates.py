@@ -91,8 +91,9 @@ class MergedWeights:
                     if hold_off > 0:  # not yet: the held version keeps the engine; look again then
                         self._waiting[want] -= counted
                         counted = False
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._cond.wait(), hold_off)
+                        with contextlib.suppress(TimeoutError):  # (not wait_for: see queue.py _wait)
+                            async with asyncio.timeout(hold_off):
+                                await self._cond.wait()
                         continue
                     if not counted:
                         self._waiting[want] += 1

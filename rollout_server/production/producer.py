@@ -1,17 +1,24 @@
 """The producer: prompts in a deterministic order -> G samples each -> the reward functions -> ScoredGroups
 stamped with the policy version that produced them -> the lease queue.
 
+Two ways to produce (server.production). "lockstep": server.prompts_per_batch prompts at a time, one
+version for all of them; the next batch starts once every group of this one is scored and queued.
+"continuous": up to server.max_inflight_groups groups in flight, each started, scored and queued on its
+own, the next prompt started as soon as one is queued, so the engine never waits for a batch's slowest
+completion or episode; groups then finish out of their prompts' order.
+
 Production pauses while the queue is full, while asleep and while paused (POST /v1/production/pause: the
-batch in flight finishes and is queued, no new one starts until a resume). A sleep cancels the batch
-in flight; its prompts are not counted as consumed, so they are generated again after the wake. The
-cursor (epoch, position) is saved with every batch's groups in the queue's journal, so a restarted
-server, stopped or killed, continues where it was and takes back its queue (groups waiting and leased):
-the prompts the cursor has passed are trained on once, not skipped.
+work in flight finishes and is queued, nothing new starts until a resume). A sleep cancels the work in
+flight; its prompts are not counted as consumed, so they are generated again after the wake. The cursor
+(every prompt before (epoch, position) is queued, and those `ahead` of it) is saved with every put's groups
+in the queue's journal, so a restarted server, stopped or killed, continues where it was and takes back its
+queue (groups waiting and leased): every prompt is queued once, none skipped, none repeated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -36,10 +43,34 @@ from shared.rewards import RewardCall, RewardRunner, length_shaping
 log = logging.getLogger("tandem.server")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Cursor:
+    """Where production stands in the prompt order: every prompt before (epoch, position) is queued, and so
+    are the prompts `ahead` of it (offsets > 0 from it, sorted: groups queued out of order)."""
+
     epoch: int = 0
     position: int = 0
+    ahead: tuple[int, ...] = ()
+
+    def saved(self, num_problems: int) -> tuple:
+        """The journal's form: (epoch, position, problems[, ahead])."""
+        head = (self.epoch, self.position, num_problems)
+        return (*head, list(self.ahead)) if self.ahead else head
+
+    def made(self, num_problems: int) -> int:
+        """Prompts queued since epoch 0: grows with every put."""
+        return self.epoch * num_problems + self.position + len(self.ahead)
+
+
+def _ahead(value, fix: str, where) -> tuple[int, ...]:
+    """A saved `ahead` list, checked."""
+    if value is None:
+        return ()
+    if not (isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        raise StateError(f"{where}: 'ahead' must be a list of integers: {fix}")
+    if any(v <= 0 for v in value) or len(set(value)) != len(value):
+        raise StateError(f"{where}: 'ahead' must hold distinct offsets > 0: {fix}")
+    return tuple(sorted(value))
 
 
 def _read_state(path: Path, fix: str) -> dict:
@@ -77,7 +108,7 @@ def load_cursor(path: Path, num_problems: int) -> Cursor:
             f"{path}: epoch {epoch}, position {position} is outside 0 <= position < {num_problems} "
             f"problems: {fix}"
         )
-    return Cursor(epoch, position)
+    return Cursor(epoch, position, _ahead(saved.get("ahead"), fix, path))
 
 
 def load_queue(path: Path, model: str) -> tuple[list[ScoredGroup], dict[str, list[ScoredGroup]]]:
@@ -101,6 +132,19 @@ def load_queue(path: Path, model: str) -> tuple[list[ScoredGroup], dict[str, lis
 
 # A verifiers environment whose every episode failed this many batches in a row stops the server.
 FAILING_BATCHES = 3
+
+
+def max_inflight_groups(cfg: TandemConfig) -> int:
+    """Continuous production's groups in flight at most: server.max_inflight_groups, else enough to keep
+    vLLM's batch full (server.vllm.max_num_seqs sequences) plus one group, so that the engine still has
+    a group's samples to run while another group is being scored; other engines, whose batch size tandem
+    does not set, server.prompts_per_batch. The queue's room bounds it further."""
+    s = cfg.server
+    if s.max_inflight_groups is not None:
+        return s.max_inflight_groups
+    if s.backend == "vllm":
+        return math.ceil(s.vllm.max_num_seqs / cfg.sampling.group_size) + 1
+    return s.prompts_per_batch
 
 
 class EnvironmentFailing(RuntimeError):
@@ -137,17 +181,24 @@ class Producer:
         # The queue's journal holds the cursor with the groups it put: newer when the server was killed
         # between the two writes.
         saved = queue.journal.cursor if queue.journal is not None else None
-        if saved and saved[2] == len(problems) and saved[:2] > (self.cursor.epoch, self.cursor.position):
-            self.cursor = Cursor(*saved[:2])
+        if saved and saved[2] == len(problems):
+            fix = f"delete {queue.journal.path} and {self._cursor_file} to start over at epoch 0"
+            ahead = _ahead(saved[3] if len(saved) > 3 else None, fix, queue.journal.path)
+            journaled = Cursor(saved[0], saved[1], ahead)
+            if journaled.made(len(problems)) > self.cursor.made(len(problems)):
+                self.cursor = journaled
+        self.inflight_limit = max_inflight_groups(cfg)
         self._awake = asyncio.Event()
         self._awake.set()
-        self._producing = asyncio.Event()  # cleared by pause(): no new batch until resume()
+        self._producing = asyncio.Event()  # cleared by pause(): nothing new starts until resume()
         self._producing.set()
-        self._between_batches = asyncio.Event()  # clear from a batch's start until its groups are queued
-        self._between_batches.set()
-        self._batch: asyncio.Task | None = None
-        self._halted = False  # server shutdown: no new batch
-        self._failing_batches = 0  # verifiers batches in a row in which every episode failed
+        self._idle = asyncio.Event()  # set while no generation of production's is in flight
+        self._idle.set()
+        self._work: dict[int, asyncio.Task] = {}  # prompt index -> its batch's or group's generation
+        self._put_lock = asyncio.Lock()  # a cursor computed is the cursor written, in order
+        self._halted = False  # server shutdown: nothing new starts
+        self._failing = 0  # verifiers batches (or groups) in a row in which every episode failed
+        self._orders: dict[int, list[int]] = {}  # epoch -> its prompt order (the recent epochs)
         # Episodes of several turns: the environment, and the tools' schemas the prompts describe.
         self.env, self._tools = None, []
         if cfg.env.turns:
@@ -160,31 +211,51 @@ class Producer:
             return tools_prompt_ids(self.backend.tokenizer, conversation, self._tools)
         return chat_prompt_ids(self.backend.tokenizer, conversation)
 
-    # -- cursor --------------------------------------------------------------------------------------
-    def _save_cursor(self) -> None:
-        c = self.cursor
-        _write_state(
-            self._cursor_file, {"epoch": c.epoch, "position": c.position, "num_problems": len(self.problems)}
-        )
+    # -- cursor: prompt index i (since epoch 0) is problem order(i // N)[i % N] of epoch i // N ---------
+    def _problem(self, index: int) -> tuple[int, Problem]:
+        epoch, position = divmod(index, len(self.problems))
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = epoch_order(len(self.problems), self.cfg.data.seed, epoch)
+        return epoch, self.problems[self._orders[epoch][position]]
 
-    def _peek(self, k: int) -> list[tuple[int, Problem]]:
-        """The next k problems (with their epoch) without consuming them."""
-        out, epoch, pos = [], self.cursor.epoch, self.cursor.position
-        order = epoch_order(len(self.problems), self.cfg.data.seed, epoch)
+    def _next(self, k: int) -> list[int]:
+        """The next k prompt indices neither queued nor in flight, in order."""
+        c = self.cursor
+        index = c.epoch * len(self.problems) + c.position
+        skip = {index + a for a in c.ahead} | set(self._work)
+        out = []
         while len(out) < k:
-            if pos == len(order):
-                epoch, pos = epoch + 1, 0
-                order = epoch_order(len(self.problems), self.cfg.data.seed, epoch)
-            out.append((epoch, self.problems[order[pos]]))
-            pos += 1
+            if index not in skip:
+                out.append(index)
+            index += 1
         return out
 
-    def _advanced(self, k: int) -> Cursor:
-        """The cursor k problems on."""
-        epoch, position = self.cursor.epoch, self.cursor.position + k
-        while position >= len(self.problems):
-            epoch, position = epoch + 1, position - len(self.problems)
-        return Cursor(epoch, position)
+    def _with(self, indices: list[int]) -> Cursor:
+        """The cursor once the prompts at `indices` are queued too."""
+        c, n = self.cursor, len(self.problems)
+        start = c.epoch * n + c.position
+        done = {start + a for a in c.ahead} | set(indices)
+        while start in done:
+            done.remove(start)
+            start += 1
+        return Cursor(start // n, start % n, tuple(sorted(i - start for i in done)))
+
+    def _save_cursor(self) -> None:
+        c = self.cursor
+        saved = {"epoch": c.epoch, "position": c.position, "num_problems": len(self.problems)}
+        _write_state(self._cursor_file, saved | ({"ahead": list(c.ahead)} if c.ahead else {}))
+
+    async def _queue(self, indices: list[int], groups: list[ScoredGroup]) -> None:
+        """Queue the groups made from the prompts at `indices` (fewer when some were dropped) with the cursor
+        that counts those prompts, in one journal line: a kill after it neither skips nor repeats them."""
+        async with self._put_lock:
+            after = self._with(indices)
+            await self.queue.put(groups, cursor=after.saved(len(self.problems)))
+            self.cursor = after
+            self._save_cursor()
+        for g in groups:
+            self.events.write("group", group_id=g.group_id, version=g.policy_version)
 
     # -- sleep / wake --------------------------------------------------------------------------------
     @property
@@ -196,9 +267,7 @@ class Producer:
 
     async def sleep(self) -> None:
         self._awake.clear()
-        if self._batch is not None and not self._batch.done():
-            self._batch.cancel()
-            await asyncio.wait({self._batch})
+        await self._cancel_work()
         await self.backend.sleep()
         self.metrics.sleeping.set(1)
         self.events.write("sleep")
@@ -209,18 +278,26 @@ class Producer:
         self.metrics.sleeping.set(0)
         self.events.write("wake")
 
+    async def _cancel_work(self) -> None:
+        """Cancel the generation in flight: its prompts are not queued, so they are made again."""
+        work = {t for t in self._work.values() if not t.done()}
+        for task in work:
+            task.cancel()
+        if work:
+            await asyncio.wait(work)
+
     # -- pause / resume (POST /v1/production/*): the engine stays awake for other work --------------
     @property
     def paused(self) -> bool:
         return not self._producing.is_set()
 
     async def pause(self) -> None:
-        """Start no new batch; returns once the batch in flight, if any, has ended (its groups queued):
-        from then on no group appears until resume()."""
+        """Start nothing new; returns once the work in flight, if any, has ended (its groups queued): from
+        then on no group appears until resume()."""
         if not self.paused:
             self._producing.clear()
             self.events.write("pause")
-        await self._between_batches.wait()
+        await self._idle.wait()
 
     def resume(self) -> None:
         if self.paused:
@@ -229,42 +306,46 @@ class Producer:
 
     # -- the loop ------------------------------------------------------------------------------------
     def halt(self) -> None:
-        """Start no batch after the one in flight (server shutdown; stop() then cancels that one)."""
+        """Start nothing after the work in flight (server shutdown; stop() then cancels that)."""
         self._halted = True
 
     async def stop(self) -> None:
-        if self._batch is not None and not self._batch.done():
-            self._batch.cancel()
-            await asyncio.wait({self._batch})
+        await self._cancel_work()
         if self.verifiers is not None:
             await self.verifiers.close()
 
     async def run(self) -> None:
+        if self.cfg.server.production == "continuous":
+            await self._run_continuous()
+            return
         while not self._halted:
             await self._awake.wait()
             await self._producing.wait()
             await self.queue.wait_for_space()
             if self.sleeping or self.paused or self._halted:
                 continue
-            self._between_batches.clear()
+            self._idle.clear()
             try:
                 await self._one_batch()
             finally:
-                self._between_batches.set()
+                self._idle.set()
 
     async def _one_batch(self) -> None:
         """The next prompts -> groups -> the queue, with the cursor; nothing queued if the batch is
         cancelled (sleep), aborted by the engine or the server is shutting down."""
-        batch = self._peek(min(self.cfg.server.prompts_per_batch, self.queue.space()))
+        indices = self._next(min(self.cfg.server.prompts_per_batch, self.queue.space()))
+        batch = [self._problem(i) for i in indices]
         adapter = self.policy.acquire()
         try:
-            self._batch = asyncio.create_task(self._make_groups(batch, adapter))
-            await asyncio.wait({self._batch})  # not cancelled with the batch: see sleep()
+            task = asyncio.create_task(self._make_groups(batch, adapter))
+            self._work = dict.fromkeys(indices, task)
+            await asyncio.wait({task})  # not cancelled with the batch: see sleep()
         finally:
+            self._work = {}
             await self.policy.release(adapter)
-        if self._batch.cancelled():
+        if task.cancelled():
             return  # put to sleep mid-batch: the same prompts go again after the wake
-        error = self._batch.exception()
+        error = task.exception()
         if self._halted:
             # Shutting down, however the batch ended (the engine may have aborted it or died on the
             # same stop signal): nobody will pull its groups; its prompts go again at the restart.
@@ -272,14 +353,60 @@ class Producer:
         if isinstance(error, GenerationAborted):
             log.warning("generation batch aborted by the engine (%s); its prompts go again", error)
             return
-        groups = self._batch.result()
-        after = self._advanced(len(batch))
-        # on disk with the groups, in one line: a kill after it neither skips nor repeats their prompts
-        await self.queue.put(groups, cursor=(after.epoch, after.position, len(self.problems)))
-        self.cursor = after
-        self._save_cursor()
-        for g in groups:
-            self.events.write("group", group_id=g.group_id, version=g.policy_version)
+        await self._queue(indices, task.result())
+
+    async def _run_continuous(self) -> None:
+        """Up to inflight_limit groups in flight, while the queue has room for them; each one queued as
+        soon as it is scored (out of order), the next prompt started at once."""
+
+        def room() -> bool:
+            self._reap()
+            if self.sleeping or self.paused or self._halted:
+                return False
+            return len(self._work) < min(self.inflight_limit, self.queue.space())
+
+        try:
+            while not self._halted:
+                await self._awake.wait()
+                await self._producing.wait()
+                await self.queue.wait_until(room, poll_s=0.2)
+                if not room():
+                    continue
+                (index,) = self._next(1)
+                self._idle.clear()
+                task = self._work[index] = asyncio.create_task(self._one_group(index))
+                task.add_done_callback(lambda _: self._idle.set() if self._all_done() else None)
+        finally:  # halted, cancelled, or a group failed: the groups still in flight are not queued
+            await self._cancel_work()
+            with contextlib.suppress(Exception):
+                self._reap()
+
+    def _all_done(self) -> bool:
+        return all(t.done() for t in self._work.values())
+
+    def _reap(self) -> None:
+        """Forget the groups that ended; a group's error (other than the engine aborting it) ends the loop,
+        as a batch's does: the server exits and its supervisor restarts it."""
+        errors = []
+        for index, task in list(self._work.items()):
+            if task.done():
+                del self._work[index]
+                if not task.cancelled() and task.exception() is not None:
+                    errors.append(task.exception())
+        if errors:
+            raise errors[0]
+
+    async def _one_group(self, index: int) -> None:
+        adapter = self.policy.acquire()
+        try:
+            groups = await self._make_groups([self._problem(index)], adapter)
+        except GenerationAborted as e:
+            log.warning("generation aborted by the engine (%s); the prompt goes again", e)
+            return
+        finally:
+            await self.policy.release(adapter)
+        if not self._halted:
+            await self._queue([index], groups)
 
     async def _make_groups(self, batch: list[tuple[int, Problem]], adapter) -> list[ScoredGroup]:
         version = adapter.version if adapter else 0
@@ -336,7 +463,7 @@ class Producer:
             scores = [r | parts for r, parts in zip(scores, shaping, strict=True)]
             totals = [t + sum(parts.values()) for t, parts in zip(totals, shaping, strict=True)]
             groups.append(_group(epoch, problem, ids, group, version, scores, totals))
-        self.metrics.observe_batch(groups, elapsed)
+        self.metrics.observe_batch(groups, elapsed, self.cfg.server.production == "continuous")
         return groups
 
     async def _verifiers_groups(self, batch: list[tuple[int, Problem]], version: int) -> list[ScoredGroup]:
@@ -366,25 +493,30 @@ class Producer:
             totals = [0.0 if e.failed else e.total for e in episodes_]
             ids = episodes_[0].prompt_ids
             groups.append(_group(epoch, problem, ids, trajectories, version, scores, totals))
-        self.metrics.observe_batch(groups, time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        self.metrics.observe_batch(groups, elapsed, self.cfg.server.production == "continuous")
         return groups
 
     def _check_environment(self, played: list[list]) -> None:
         """Stop (EnvironmentFailing: the server exits 1 with the reason) once every episode of
-        FAILING_BATCHES batches in a row failed or could not be trained on: an environment that fails
-        every time (a tool server that does not start, a judge that refuses every request) would otherwise
-        feed the learner groups of zeros for as long as the run lasts. One good episode resets the count."""
+        FAILING_BATCHES batches in a row (continuous production: as many batches' worth of groups) failed or
+        could not be trained on: an environment that fails every time (a tool server that does not start,
+        a judge that refuses every request) would otherwise feed the learner groups of zeros for as long as
+        the run lasts. One good episode resets the count."""
         reasons = [e if isinstance(e, str) else e.failed for episodes_ in played for e in episodes_]
         if not reasons or not all(reasons):
-            self._failing_batches = 0
+            self._failing = 0
             return
-        self._failing_batches += 1
-        if self._failing_batches >= FAILING_BATCHES:
+        unit, units, limit = "batch", "batches", FAILING_BATCHES
+        if self.cfg.server.production == "continuous":
+            unit, units, limit = "group", "groups", FAILING_BATCHES * self.cfg.server.prompts_per_batch
+        self._failing += 1
+        if self._failing >= limit:
             raise EnvironmentFailing(
-                f"env.kind = 'verifiers': every episode of the last {FAILING_BATCHES} batches failed; "
-                f"the last batch's first reason: {reasons[0]}"
+                f"env.kind = 'verifiers': every episode of the last {limit} {units} failed; "
+                f"the last {unit}'s first reason: {reasons[0]}"
             )
-        log.warning("every episode of this batch failed (%d in a row): %s", self._failing_batches, reasons[0])
+        log.warning("every episode of this %s failed (%d in a row): %s", unit, self._failing, reasons[0])
 
     async def play(
         self, rows: list[tuple], samples, adapter, temperature: float, max_new_tokens: int

@@ -91,14 +91,21 @@ class LeaseQueue:
 
     async def wait_for_space(self, poll_s: float = 1.0) -> None:
         """Return once at least one group fits. Polls too, because space also frees by lease expiry."""
+        await self.wait_until(lambda: self.space() > 0, poll_s)
+
+    async def wait_until(self, ready, poll_s: float = 1.0) -> None:
+        """Return once `ready()` holds, checked at each change of the queue and every poll_s."""
         async with self._changed:
-            while self.space() <= 0:
+            while not ready():
                 await self._wait(poll_s)
 
     async def _wait(self, timeout: float) -> None:
-        """Wait for a change, at most `timeout` (the condition's lock must be held)."""
+        """Wait for a change, at most `timeout` (the condition's lock must be held). asyncio.timeout, not
+        wait_for: Python 3.11's wait_for can swallow a cancellation that lands as the wait ends, and a
+        producer cancelled at a kill or a shutdown then went on starting generations."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout=timeout)
+            async with asyncio.timeout(timeout):
+                await self._changed.wait()
 
     # -- a graceful restart: what a stopping server saves and a starting one takes back --------------
     def contents(self) -> tuple[list[ScoredGroup], dict[str, list[ScoredGroup]]]:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from shared.protocol import is_degenerate
+
+RATE_WINDOW_S = 30.0  # continuous production's tokens/s: over the groups that ended this recently
 
 
 class ServerMetrics:
@@ -46,8 +49,12 @@ class ServerMetrics:
             buckets=(0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320),
         )
         self.tok_s = Gauge(
-            "tandem_rollout_tokens_per_second", "completion tokens/s of the last batch", registry=r
+            "tandem_rollout_tokens_per_second",
+            "completion tokens/s of the last batch (continuous production: of the groups that ended in the "
+            f"last {RATE_WINDOW_S:.0f} s, over the time since the first of them started)",
+            registry=r,
         )
+        self._recent: deque[tuple[float, float, int]] = deque()  # (start, end, tokens) of recent groups
         self.last_group = Gauge(
             "tandem_last_group_timestamp_seconds", "unix time of the last group", registry=r
         )
@@ -76,7 +83,9 @@ class ServerMetrics:
             registry=r,
         )
 
-    def observe_batch(self, groups, elapsed_s: float) -> None:
+    def observe_batch(self, groups, elapsed_s: float, overlapping: bool = False) -> None:
+        """`overlapping`: this batch ran beside others (continuous production's groups), so its own
+        tokens/elapsed is not the engine's rate."""
         tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
         self.groups.inc(len(groups))
         self.degenerate.inc(sum(is_degenerate(g.rewards) for g in groups))
@@ -87,7 +96,15 @@ class ServerMetrics:
             for name, value in c.rewards.items():
                 self.function_reward.labels(name).inc(value)
         self.generate_s.observe(elapsed_s)
-        if elapsed_s > 0:
+        if overlapping:
+            now = time.monotonic()
+            self._recent.append((now - elapsed_s, now, tokens))
+            while self._recent[0][1] < now - RATE_WINDOW_S:
+                self._recent.popleft()
+            span = now - min(start for start, _, _ in self._recent)
+            if span > 0:
+                self.tok_s.set(sum(t for *_, t in self._recent) / span)
+        elif elapsed_s > 0:
             self.tok_s.set(tokens / elapsed_s)
         if groups:
             self.last_group.set(time.time())
