@@ -45,7 +45,7 @@ SERVED_GAP = {torch.float32: 1e-2, torch.bfloat16: 0.25, torch.float16: 0.25}
 MIN_SERVED_TOKENS = 32
 
 
-def served_policy_error(metrics: dict, bound: float, version: int, where: str) -> str | None:
+def served_policy_error(metrics: dict, bound: float, version: int, servers: list[str]) -> str | None:
     """The one line that stops the learner when the tokens stamped with `version` (the weights this step
     started from) disagree with the learner's own log-probs by more than `bound` (None: they agree, or too
     few were sampled by it to tell)."""
@@ -53,8 +53,8 @@ def served_policy_error(metrics: dict, bound: float, version: int, where: str) -
     if not bound or gap is None or tokens < MIN_SERVED_TOKENS or gap <= bound:
         return None
     return (
-        f"the rollout server ({where}) does not serve the weights published as v{version}: its samples "
-        f"stamped v{version} differ from the learner's v{version} by {gap:.4g} nats a token on "
+        f"the rollout server ({', '.join(servers)}) does not serve the weights published as v{version}: its "
+        f"samples stamped v{version} differ from the learner's v{version} by {gap:.4g} nats a token on "
         f"{tokens:.0f} tokens (learner.served_policy_max_gap = {bound:g}). The step is not recorded and "
         "its groups go back; check that the server loads each published adapter (its log, /health)"
     )
@@ -198,15 +198,11 @@ def _loop(run: _Run, state: ckpt.State) -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t_train = time.perf_counter()
-        # the same on every rank (only rank 0 holds the client): replayed groups are no server's
-        live = not cfg.learner.replay_file and run.served_gap > 0
+        checked = state.version if run.served_gap > 0 else None  # (0 in replay mode: no server's samples)
         with _profiled(run, state.step + 1):
-            metrics = train_step(
-                engine, pulled.groups, cfg, run.rank, run.world, run.pad_id, state.version if live else None
-            )
+            metrics = train_step(engine, pulled.groups, cfg, run.rank, run.world, run.pad_id, checked)
         train_s = time.perf_counter() - t_train
-        urls = ", ".join(cfg.learner.server_urls)
-        error = served_policy_error(metrics, run.served_gap, state.version, urls)
+        error = served_policy_error(metrics, run.served_gap, state.version, cfg.learner.server_urls)
         if error is not None:  # every rank holds the same gathered metrics: all stop here together
             if run.client is not None:
                 release(run.client, pulled.lease_ids)
@@ -299,6 +295,8 @@ def run(cfg: TandemConfig, model_path: str, resume: bool, stop: Stop | None = No
         bound = cfg.learner.served_policy_max_gap
         dtype = next(engine.module.parameters()).dtype
         run.served_gap = SERVED_GAP.get(dtype, 0.25) if bound is None else bound
+        if cfg.learner.replay_file:  # replayed groups are no server's: nothing to check them against
+            run.served_gap = 0.0
         try:
             _loop(run, state)
         finally:

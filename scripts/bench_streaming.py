@@ -3,14 +3,16 @@
     .venv/bin/python scripts/bench_streaming.py [--seconds 150] [--rounds 2] [--max-tokens 256]
         [--prompts 4] [--group-size 8] [--modes lockstep,continuous] [--set K=V ...]
 
-One vLLM engine (the config's, merged weights), built once; for each mode in turn (alternating, `--rounds`
-times), a producer on a fresh state folder feeds a queue that a consumer drains at once (pull, ack: a
-learner that is never the bottleneck), for `--seconds` after a warm-up group. The same sequences in flight
-for both: lockstep `--prompts` prompts x G a batch, continuous `--prompts` groups in flight. GSM8K train
-prompts, temperature 1, completions capped at `--max-tokens`: SmolLM2's answer lengths are long-tailed (most
-stop early, some run to the cap), which is what the tail costs lockstep. Prints, per mode: engine tokens/s
+One vLLM engine (the config's, merged weights, `--prompts` x G slots: server.vllm.max_num_seqs), built once;
+for each mode in turn (alternating, `--rounds` times), a producer on a fresh state folder feeds a queue that
+a consumer drains at once (pull, ack: a learner that is never the bottleneck), for `--seconds` after a
+warm-up group. Lockstep: `--prompts` prompts x G a batch, the slots exactly; continuous: its default groups
+in flight (twice the groups that fill the slots; the extra wait in vLLM's queue). GSM8K train prompts,
+temperature 1, completions capped at `--max-tokens`: SmolLM2's answer lengths vary widely within a batch,
+which is what the tail costs lockstep. Prints, per mode: engine tokens/s
 (completion tokens of the groups queued in the window), the fraction of the window in which fewer than half
-of the slots were decoding (vLLM's unfinished requests, sampled every 50 ms), groups/s, and the ratio.
+of the slots were decoding and the slots busy on average (vLLM's unfinished requests up to the slots,
+sampled every 50 ms), groups/min, and the ratio.
 Numbers and the machine: docs/benchmarks.md.
 """
 
@@ -38,9 +40,9 @@ async def one_window(mode: str, backend, problems, args, work: Path) -> dict:
     overrides = [
         f"server.production={mode}",
         f"server.prompts_per_batch={args.prompts}",
-        f"server.max_inflight_groups={args.prompts}",
         f"server.queue_size={4 * args.prompts}",
         f"server.state_dir={work}",
+        f"server.vllm.max_num_seqs={args.prompts * args.group_size}",
         f"sampling.group_size={args.group_size}",
         f"sampling.max_new_tokens={args.max_tokens}",
         "sampling.temperature=1.0",
@@ -67,7 +69,7 @@ async def one_window(mode: str, backend, problems, args, work: Path) -> dict:
     async def sample_slots():
         unfinished = backend.engine.output_processor.get_num_unfinished_requests
         while True:
-            busy.append(unfinished())
+            busy.append(min(unfinished(), slots))  # beyond the slots: waiting in vLLM's queue
             await asyncio.sleep(0.05)
 
     run = asyncio.create_task(producer.run())
@@ -87,14 +89,15 @@ async def one_window(mode: str, backend, problems, args, work: Path) -> dict:
         "tok_s": state["tokens"] / elapsed,
         "groups_s": state["groups"] / elapsed,
         "underused": sum(b < slots / 2 for b in busy) / max(len(busy), 1),
-        "peak": max(busy, default=0),
+        "busy": statistics.mean(busy) if busy else 0.0,
     }
 
 
 async def bench(args) -> dict[str, list[dict]]:
     from rollout_server.serving.serve import make_backend
 
-    cfg = load_config(args.config, ["server.backend=vllm", "server.adapter_mode=merge", *args.set])
+    slots = f"server.vllm.max_num_seqs={args.prompts * args.group_size}"  # the same engine batch for both
+    cfg = load_config(args.config, ["server.backend=vllm", "server.adapter_mode=merge", slots, *args.set])
     backend = await make_backend(cfg, resolve_model(cfg.model.name))
     problems = load_gsm8k("train", args.gsm8k)
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
@@ -106,7 +109,8 @@ async def bench(args) -> dict[str, list[dict]]:
                 results[mode].append(out)
                 print(
                     f"  {out['tok_s']:.1f} tok/s, {out['groups_s'] * 60:.1f} groups/min, "
-                    f"{100 * out['underused']:.0f} % of the time < half the slots busy (peak {out['peak']})",
+                    f"{100 * out['underused']:.0f} % of the time < half the slots busy, {out['busy']:.1f} of "
+                    f"{args.prompts * args.group_size} busy on average",
                     flush=True,
                 )
     await backend.close()

@@ -141,8 +141,8 @@ class ServerConfig(Section):
         default=None,
         ge=1,
         description="continuous production: groups in flight at most (also bounded by the queue's room); "
-        "None: ceil(vllm.max_num_seqs / group_size) + 1 on vLLM (its batch kept full), prompts_per_batch "
-        "on other engines",
+        "None: 2 x ceil(vllm.max_num_seqs / group_size) on vLLM (its batch kept full while groups finish "
+        "their slowest samples), prompts_per_batch on other engines",
     )
     lease_s: float = Field(default=300.0, gt=0, description="un-acked groups return to the queue after this")
     state_dir: str = Field(

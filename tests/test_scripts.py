@@ -52,6 +52,7 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
         "gpu_kit.py",
         "profile_decode.py",
         "profile_compile.py",
+        "bench_streaming.py",
     ],
 )
 def test_benchmark_help(script):

@@ -135,15 +135,16 @@ FAILING_BATCHES = 3
 
 
 def max_inflight_groups(cfg: TandemConfig) -> int:
-    """Continuous production's groups in flight at most: server.max_inflight_groups, else enough to keep
-    vLLM's batch full (server.vllm.max_num_seqs sequences) plus one group, so that the engine still has
-    a group's samples to run while another group is being scored; other engines, whose batch size tandem
-    does not set, server.prompts_per_batch. The queue's room bounds it further."""
+    """Continuous production's groups in flight at most: server.max_inflight_groups, else, on vLLM, twice
+    the groups that fill its batch (server.vllm.max_num_seqs sequences): a group holds its slots until its
+    slowest sample ends, so while some groups are in their tails (one sample still decoding) the groups
+    waiting in vLLM's queue fill the slots the others freed; other engines, whose batch tandem does not
+    size, server.prompts_per_batch. The queue's room bounds it further."""
     s = cfg.server
     if s.max_inflight_groups is not None:
         return s.max_inflight_groups
     if s.backend == "vllm":
-        return math.ceil(s.vllm.max_num_seqs / cfg.sampling.group_size) + 1
+        return 2 * math.ceil(s.vllm.max_num_seqs / cfg.sampling.group_size)
     return s.prompts_per_batch
 
 

@@ -13,16 +13,16 @@ def test_only_a_gap_past_the_bound_on_enough_tokens_of_the_version_stops_the_run
     bound = SERVED_GAP[torch.float32]
     assert bound == 1e-2 and SERVED_GAP[torch.bfloat16] == 0.25  # 10x and more what was measured
     ok = {"served/logp_gap": 1e-5, "served/tokens": 500.0}  # fp32 kernels: 3e-6 to 1e-5
-    assert served_policy_error(ok, bound, 4, "http://s:8000") is None
+    assert served_policy_error(ok, bound, 4, ["http://s:8000"]) is None
     wrong = {"served/logp_gap": 0.3, "served/tokens": 500.0}
-    line = served_policy_error(wrong, bound, 4, "http://s:8000")
+    line = served_policy_error(wrong, bound, 4, ["http://s:8000"])
     assert line.startswith("the rollout server (http://s:8000) does not serve the weights published as v4")
     assert "by 0.3 nats a token on 500 tokens" in line
     few = {"served/logp_gap": 0.3, "served/tokens": float(MIN_SERVED_TOKENS - 1)}
-    assert served_policy_error(few, bound, 4, "s") is None  # too few to tell
+    assert served_policy_error(few, bound, 4, ["s"]) is None  # too few to tell
     none = {"served/logp_gap": None, "served/tokens": 0.0}  # no group of this version in the step
-    assert served_policy_error(none, bound, 4, "s") is None
-    assert served_policy_error(wrong, 0.0, 4, "s") is None  # learner.served_policy_max_gap = 0: off
+    assert served_policy_error(none, bound, 4, ["s"]) is None
+    assert served_policy_error(wrong, 0.0, 4, ["s"]) is None  # learner.served_policy_max_gap = 0: off
 
 
 def test_both_batch_layouts_carry_each_completion_s_version():

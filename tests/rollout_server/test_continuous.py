@@ -158,12 +158,12 @@ def test_a_cursor_with_prompts_ahead_survives_its_file_and_a_damaged_one_is_name
         load_cursor(path, 7)
 
 
-def test_the_derived_groups_in_flight_fill_vllm_s_batch_and_one_more():
+def test_the_derived_groups_in_flight_are_twice_those_that_fill_vllm_s_batch():
     def cfg(**server):
         return TandemConfig.model_validate({"sampling": {"group_size": 8}, "server": server})
 
-    assert max_inflight_groups(cfg()) == 64 // 8 + 1  # vllm.max_num_seqs 64, G 8
-    assert max_inflight_groups(cfg(vllm={"max_num_seqs": 20})) == 3 + 1
+    assert max_inflight_groups(cfg()) == 2 * (64 // 8)  # vllm.max_num_seqs 64, G 8
+    assert max_inflight_groups(cfg(vllm={"max_num_seqs": 20})) == 2 * 3
     assert max_inflight_groups(cfg(backend="hf", prompts_per_batch=5)) == 5
     assert max_inflight_groups(cfg(max_inflight_groups=2)) == 2
 
