@@ -2,7 +2,8 @@
 two steps each with the real rollout server (vLLM, merged versions) and the real DeepSpeed learner on
 SmolLM2. Every trained trajectory's model tokens, re-scored on the version stamped on its group, give
 back their sampler log-probs (sampled at T = 1, so those are the policy's own); the environment's tokens
-are exactly what the chat template adds for the messages the environment sent."""
+are exactly what the chat template adds for the messages the environment sent. The multi-turn run's server
+produces continuously (server.production): its groups' episodes end and are queued each on their own."""
 
 from __future__ import annotations
 
@@ -150,6 +151,8 @@ def test_two_steps_each_on_a_tool_task_and_a_multi_turn_task(tmp_path, model_dir
         f"--env.step={tmp_path}/task.py:guess",
         "--data.system_prompt=Reply with one number only.",
         f'--reward.functions=["{tmp_path}/task.py:solved"]',
+        "--server.production=continuous",  # episodes of each group played and queued on their own
+        "--server.max_inflight_groups=2",  # the lockstep run's 2 prompts at a time: no more work than it
     ]
     steps, metrics, rescored = _train(tmp_path, "guess", guessing)
     multi = _check(rescored, tokenizer)
