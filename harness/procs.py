@@ -89,7 +89,7 @@ def wait_healthy(proc: Proc, url: str, timeout: float = 600.0) -> None:
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=5.0).status_code == 200:
                 return
-        time.sleep(1.0)
+        time.sleep(0.2)
     proc.stop()
     raise RuntimeError(f"{proc.log_path.name}: not healthy after {timeout:.0f} s:\n{proc.log()[-4000:]}")
 
@@ -132,9 +132,11 @@ def vllm_openai_args(
 
 
 def vllm_openai_env(cores: str | None = None, **extra: str) -> dict[str, str]:
-    """Its environment: runtime LoRA updates allowed; `cores` ('0', '0,1'): the CPU cores it computes on
-    (vLLM's default keeps one of them for its scheduler)."""
-    env = tandem_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", **extra)
+    """Its environment: runtime LoRA updates allowed, nothing compiled (as `--enforce-eager` on tandem's
+    own engine: vLLM's sampler functions compile at the first request otherwise, ~18 s with a cold compile
+    cache); `cores` ('0', '0,1'): the CPU cores it computes on (vLLM's default keeps one of them for its
+    scheduler)."""
+    env = tandem_env(VLLM_ALLOW_RUNTIME_LORA_UPDATING="True", TORCH_COMPILE_DISABLE="1", **extra)
     if cores is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cores
     return env

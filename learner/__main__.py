@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from shared import quick_exit
 from shared.cli import check_trackers, parse_cli
 from shared.config import TandemConfig, check_server_urls
 
@@ -64,4 +65,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    quick_exit.arm()
+    quick_exit.exit(main())

@@ -22,6 +22,7 @@ import sys
 import time
 
 from learner.client import RolloutClient
+from shared import quick_exit
 from shared.cli import parse_cli
 from shared.config import ConfigError, TandemConfig
 from shared.datasets import DatasetError, Problem, load_problems
@@ -185,4 +186,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    quick_exit.arm()
+    quick_exit.exit(main())

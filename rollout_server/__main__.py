@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from shared import quick_exit
 from shared.cli import parse_cli
 from shared.config import ConfigError, check_exposure
 
@@ -27,4 +28,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # vLLM's engine spawns processes: this guard is required
-    sys.exit(main())
+    quick_exit.arm()
+    quick_exit.exit(main())

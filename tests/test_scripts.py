@@ -53,6 +53,7 @@ def test_gpu_benchmark_rejects_bad_arguments(args, message):
         "profile_decode.py",
         "profile_compile.py",
         "bench_streaming.py",
+        "bench_start_stop.py",
     ],
 )
 def test_benchmark_help(script):

@@ -129,6 +129,18 @@ def start_engine(args, fork: bool):
     )
 
 
+def no_torch_compile() -> None:
+    """Run the few functions vLLM compiles even in eager mode (its sampler's log-prob gather and rank
+    count) as plain PyTorch, in this process and the engine's. On CPU, compiling them with inductor cost
+    ~18 s at each first generation on a machine with a cold compile cache (every fresh container) and ~3 s
+    with a warm one, for functions that take microseconds (docs/benchmarks.md §19). `enforce_eager` is the
+    promise of no compilation; this keeps it."""
+    import torch._dynamo
+
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"  # read by a spawned engine process as torch loads
+    torch._dynamo.config.disable = True  # this process, and an engine process forked from it
+
+
 class VllmVersionError(RuntimeError):
     pass
 
@@ -230,6 +242,8 @@ class VllmBackend:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(vc)
         if not cuda:  # read by the engine's processes, which start below
             os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE_CAPACITY))
+        if not cuda and vc.enforce_eager:
+            no_torch_compile()
         merge = cfg.server.adapter_mode == "merge"
         # vLLM on CPU runs its worker in a process of its own unless multiprocessing is off for workers
         # (its engine core still runs apart from this process: AsyncLLM always does that; forked, below)

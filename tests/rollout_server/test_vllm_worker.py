@@ -68,6 +68,17 @@ class _Engine:
         return None
 
 
+@pytest.fixture(autouse=True)
+def compile_switch(monkeypatch) -> list[bool]:
+    """Records create()'s calls of no_torch_compile instead of switching compilation off in the test's
+    process (and, through the environment, in every process the suite starts after it)."""
+    from rollout_server.engines import vllm as vllm_engine
+
+    calls = []
+    monkeypatch.setattr(vllm_engine, "no_torch_compile", lambda: calls.append(True))
+    return calls
+
+
 @pytest.mark.parametrize("block_size", [32, None])
 def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(monkeypatch, block_size):
     import os
@@ -131,6 +142,50 @@ def test_on_cpu_the_engine_keeps_few_compiled_kernels_unless_told_otherwise(monk
     asyncio.run(VllmBackend.create(load_config(REPO / "deploy/configs/cpu.toml"), "/models/m"))
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == (theirs or str(ONEDNN_CACHE_CAPACITY))
     assert ONEDNN_CACHE_CAPACITY <= 64
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_an_eager_engine_on_cpu_compiles_nothing(monkeypatch, compile_switch, eager):
+    """server.vllm.enforce_eager on CPU also switches off the few functions vLLM compiles in eager mode
+    (~18 s of a first generation with a cold compile cache); without it vLLM compiles as it chooses."""
+    from vllm.engine import arg_utils
+
+    from rollout_server.engines import vllm as vllm_engine
+    from rollout_server.engines.vllm import VllmBackend
+    from shared.config import load_config
+    from tests.helpers import REPO
+
+    monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
+    monkeypatch.setattr(vllm_engine, "start_engine", lambda a, fork: _Engine())
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # create() sets it (restored after the test)
+    cfg = load_config(REPO / "deploy/configs/cpu.toml")
+    cfg.server.vllm.enforce_eager = eager
+    asyncio.run(VllmBackend.create(cfg, "/models/m"))
+    assert compile_switch == ([True] if eager else [])
+
+
+def test_no_torch_compile_runs_compiled_functions_as_written_here_and_in_child_processes():
+    """After no_torch_compile(), a torch.compile'd function runs without reaching its compiler, in the
+    process and in a Python started from it (a spawned engine process reads the environment)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    compiles = "torch.compile(lambda x: x * 2, backend=lambda gm, ex: print('compiled') or gm)(torch.ones(3))"
+    script = (
+        "import subprocess, sys, torch\n"
+        "from rollout_server.engines.vllm import no_torch_compile\n"
+        f"{compiles}\n"
+        "no_torch_compile()\n"
+        f"{compiles}\n"
+        "print('child')\n"
+        f"subprocess.run([sys.executable, '-c', {'import torch; ' + compiles!r}])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=99)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["compiled", "child"]
 
 
 def test_a_worker_outlives_a_stop_signal_meant_for_the_whole_process_group():
