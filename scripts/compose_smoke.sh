@@ -8,12 +8,20 @@
 # (CI=true), the build cache. The small base image is kept.
 #
 #   bash scripts/compose_smoke.sh            # as root (apt-get, dockerd, debootstrap); ~10 min from nothing
+#   bash scripts/compose_smoke.sh build      # only build tandem:cpu (.ci/run: while the test suite runs)
+#   bash scripts/compose_smoke.sh run        # the smoke on the tandem:cpu there is (built if missing)
+#   bash scripts/compose_smoke.sh clean      # remove tandem:cpu (and, in CI, the build cache)
 #
 # Environment: TANDEM_SMOKE_BASE (a base image to use instead of making one), TANDEM_SMOKE_TIMEOUT_S (per
 # wait, default 900), TANDEM_SMOKE_KEEP_IMAGE=1 (keep tandem:cpu and the build cache).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+mode=${1:-all}
+case "$mode" in
+  all | build | run | clean) ;;
+  *) echo "usage: bash scripts/compose_smoke.sh [all|build|run|clean] (got '$mode')" >&2; exit 2 ;;
+esac
 log() { printf '[compose-smoke %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 timeout_s=${TANDEM_SMOKE_TIMEOUT_S:-900}
 export TANDEM_API_TOKEN=${TANDEM_API_TOKEN:-smoke-$RANDOM$RANDOM}
@@ -46,43 +54,66 @@ cp "$compose_bin" ~/.docker/cli-plugins/docker-compose
 compose() { docker compose -f deploy/compose.cpu.yml "$@"; }
 log "$(docker compose version) ($cli)"
 
-# The build needs about 12 GB (image, build cache, the venv inside it): say so plainly rather than let it
-# die half-way with "no space left on device".
-docker_root=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
-free_gb=$(df -P -BG "$docker_root" | awk 'NR == 2 {sub("G", "", $4); print $4}')
-if [ "${free_gb:-0}" -lt 12 ]; then
-  log "only ${free_gb} GB free under $docker_root; building tandem:cpu needs about 12 GB."
-  log "free some (docker image prune; docker builder prune) and run again"
-  exit 1
+remove_image() {
+  docker image rm tandem:cpu >/dev/null 2>&1 || true
+  # All unused build cache goes, not only this build's (Docker cannot tell them apart): in CI only.
+  local what="tandem:cpu removed"
+  if [ "${CI:-}" = true ]; then
+    docker builder prune -af >/dev/null 2>&1 || true
+    what="$what with the build cache"
+  fi
+  log "$what (TANDEM_SMOKE_KEEP_IMAGE=1 keeps it)"
+}
+if [ "$mode" = clean ]; then
+  remove_image
+  exit 0
 fi
 
-base=${TANDEM_SMOKE_BASE:-local/debian:bookworm}
-if ! docker image inspect "$base" >/dev/null 2>&1; then
-  log "making $base with debootstrap (no image registry needed)"
-  root=$(mktemp -d)
-  debootstrap --variant=minbase bookworm "$root" http://deb.debian.org/debian >/dev/null
-  tar -C "$root" -c . | docker import - "$base" >/dev/null
-  rm -rf "$root"
-fi
+# `run` takes the image `build` made (.ci/run builds it while the test suite runs); anything else builds.
+if [ "$mode" = run ] && docker image inspect tandem:cpu >/dev/null 2>&1; then
+  log "using the tandem:cpu built before"
+else
+  # The build needs about 12 GB (image, build cache, the venv inside it): say so plainly rather than let it
+  # die half-way with "no space left on device".
+  docker_root=$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || echo /var/lib/docker)
+  free_gb=$(df -P -BG "$docker_root" | awk 'NR == 2 {sub("G", "", $4); print $4}')
+  if [ "${free_gb:-0}" -lt 12 ]; then
+    log "only ${free_gb} GB free under $docker_root; building tandem:cpu needs about 12 GB."
+    log "free some (docker image prune; docker builder prune) and run again"
+    exit 1
+  fi
 
-# -- build: the CPU torch wheel from pip's local find-links, pip's CA bundle as a BuildKit secret ----------
-wheels=$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)
-torch_index=https://download.pytorch.org/whl/cpu
-if [ -n "$wheels" ] && ls "$wheels"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
-  cp "$wheels"/torch-2.13.0+cpu-*.whl deploy/wheels/
-  torch_index=""  # the wheel is in the build context
+  base=${TANDEM_SMOKE_BASE:-local/debian:bookworm}
+  if ! docker image inspect "$base" >/dev/null 2>&1; then
+    log "making $base with debootstrap (no image registry needed)"
+    root=$(mktemp -d)
+    debootstrap --variant=minbase bookworm "$root" http://deb.debian.org/debian >/dev/null
+    tar -C "$root" -c . | docker import - "$base" >/dev/null
+    rm -rf "$root"
+  fi
+
+  # -- build: the CPU torch wheel from pip's local find-links, pip's CA bundle as a BuildKit secret --------
+  wheels=$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)
+  torch_index=https://download.pytorch.org/whl/cpu
+  if [ -n "$wheels" ] && ls "$wheels"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
+    cp "$wheels"/torch-2.13.0+cpu-*.whl deploy/wheels/
+    torch_index=""  # the wheel is in the build context
+  fi
+  ca=$(.venv/bin/python -m pip config get global.cert 2>/dev/null || echo /etc/ssl/certs/ca-certificates.crt)
+  log "building tandem:cpu on $base (torch from ${torch_index:-deploy/wheels})"
+  t0=$(date +%s)
+  previous=$(docker image inspect -f '{{.Id}}' tandem:cpu 2>/dev/null || true)
+  DOCKER_BUILDKIT=1 docker build -q -f deploy/Dockerfile.cpu -t tandem:cpu \
+    --build-arg BASE="$base" --build-arg TANDEM_TORCH_INDEX="$torch_index" --secret id=ca,src="$ca" . >/dev/null
+  rm -f deploy/wheels/*.whl
+  log "built in $(($(date +%s) - t0)) s"
+  # A rebuild leaves the image it replaced untagged: remove it now rather than let it pile up.
+  if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect -f '{{.Id}}' tandem:cpu)" ]; then
+    docker image rm "$previous" >/dev/null 2>&1 || true
+  fi
 fi
-ca=$(.venv/bin/python -m pip config get global.cert 2>/dev/null || echo /etc/ssl/certs/ca-certificates.crt)
-log "building tandem:cpu on $base (torch from ${torch_index:-deploy/wheels})"
-t0=$(date +%s)
-previous=$(docker image inspect -f '{{.Id}}' tandem:cpu 2>/dev/null || true)
-DOCKER_BUILDKIT=1 docker build -q -f deploy/Dockerfile.cpu -t tandem:cpu \
-  --build-arg BASE="$base" --build-arg TANDEM_TORCH_INDEX="$torch_index" --secret id=ca,src="$ca" . >/dev/null
-rm -f deploy/wheels/*.whl
-log "built in $(($(date +%s) - t0)) s"
-# A rebuild leaves the image it replaced untagged: remove it now rather than let it pile up.
-if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect -f '{{.Id}}' tandem:cpu)" ]; then
-  docker image rm "$previous" >/dev/null 2>&1 || true
+if [ "$mode" = build ]; then
+  exit 0
 fi
 
 # -- run ---------------------------------------------------------------------------------------------------
@@ -95,14 +126,7 @@ finish() {
   compose down -v --remove-orphans >/dev/null 2>&1 || true
   log "stack removed"
   if [ "${TANDEM_SMOKE_KEEP_IMAGE:-0}" != 1 ]; then
-    docker image rm tandem:cpu >/dev/null 2>&1 || true
-    # All unused build cache goes, not only this build's (Docker cannot tell them apart): in CI only.
-    what="tandem:cpu removed"
-    if [ "${CI:-}" = true ]; then
-      docker builder prune -af >/dev/null 2>&1 || true
-      what="$what with the build cache"
-    fi
-    log "$what (TANDEM_SMOKE_KEEP_IMAGE=1 keeps it)"
+    remove_image
   fi
 }
 trap finish EXIT

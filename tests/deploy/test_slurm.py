@@ -62,10 +62,11 @@ def _server_job(env: dict[str, str], log: Path) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("servers", [2])
 def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path, servers):
     """N server jobs (TANDEM_NUM_SERVERS, each its shard: TANDEM_SHARD as a job array's task id would be)
-    and the learner job find each other through the run folder; every server gets the published v1."""
+    and the learner job find each other through the run folder; every server gets the published v1. One
+    server job: the resubmission test below (its learner job finds job A's URL, then B's)."""
     ports = [free_port() for _ in range(servers)]
     started = []
     for k, port in enumerate(ports):
@@ -295,6 +296,7 @@ def test_a_server_job_resubmitted_elsewhere_is_followed_by_the_learner_job(tmp_p
                 os.killpg(job.pid, 15)
             job.wait(timeout=60)
     out = log.read_text()
+    assert f"learner connecting to http://127.0.0.1:{first}" in out  # job A's URL, from the run folder
     assert f"the rollout server moved to http://127.0.0.1:{second}" in out
     assert "resumed from" in out and "at step 2" in out
     assert "step    4/4" in out
