@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from shared import quick_exit
 from shared.cli import check_trackers, parse_cli
@@ -64,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
         return 3
 
 
-if __name__ == "__main__":
+def run() -> NoReturn:
+    """The entry point (`python -m`, and the `tandem-learner` console script): main() ending through
+    shared/quick_exit.py, without the interpreter's teardown."""
     quick_exit.arm()
     quick_exit.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 from shared import quick_exit
 from shared.cli import parse_cli
@@ -27,6 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     return serve(cfg)
 
 
-if __name__ == "__main__":  # vLLM's engine spawns processes: this guard is required
+def run() -> NoReturn:
+    """The entry point (`python -m`, and the `tandem-server` console script): main() ending through
+    shared/quick_exit.py, without the interpreter's teardown."""
     quick_exit.arm()
     quick_exit.exit(main())
+
+
+if __name__ == "__main__":  # vLLM's engine spawns processes: this guard is required
+    run()

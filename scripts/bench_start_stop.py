@@ -30,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 from harness.net import free_port  # noqa: E402
 from harness.procs import Proc, tandem_env, wait_healthy  # noqa: E402
+from harness.runs import SMALL_LEARNER, SMALL_RUN  # noqa: E402
 from learner.client import RolloutClient  # noqa: E402
 
 TOKEN = "bench-token"
@@ -39,14 +40,13 @@ PLAIN_SERVER = (
     "from rollout_server.__main__ import main; sys.exit(main())"
 )
 PLAIN_LEARNER = "import sys; from learner.__main__ import main; sys.exit(main())"
-SMALL = ["--sampling.group_size=4", "--server.prompts_per_batch=2", "--reward.truncated=score"]
 
 
 def one_server(how: str, work: Path, cache: Path, extra: list[str]) -> dict:
     port = free_port()
     state = work / f"state-{how}-{time.monotonic_ns()}"
     args = ["--config", "deploy/configs/cpu.toml", f"--server.port={port}", f"--server.state_dir={state}"]
-    args += [*SMALL, *extra]
+    args += [*SMALL_RUN, *extra]
     launch = ["-m", "rollout_server"] if how == "tandem" else ["-c", PLAIN_SERVER]
     env = tandem_env(TOKEN, OMP_NUM_THREADS="2", TORCHINDUCTOR_CACHE_DIR=str(cache))
     t0 = time.monotonic()
@@ -69,14 +69,13 @@ def one_learner(how: str, work: Path, extra: list[str]) -> float:
     port, work = free_port(), work / f"learner-{how}-{time.monotonic_ns()}"
     args = ["--config", "deploy/configs/cpu.toml", f"--server.port={port}", f"--server.state_dir={work}"]
     env = tandem_env(TOKEN, OMP_NUM_THREADS="2")
-    server = Proc(["-m", "rollout_server", *args, *SMALL, *extra], work.with_suffix(".log"), env=env)
+    server = Proc(["-m", "rollout_server", *args, *SMALL_RUN, *extra], work.with_suffix(".log"), env=env)
     try:
         wait_healthy(server, f"http://127.0.0.1:{port}", timeout=600)
         launch = ["-m", "learner"] if how == "tandem" else ["-c", PLAIN_LEARNER]
-        cmd = [sys.executable, *launch, "--config", "deploy/configs/cpu.toml", *SMALL, *extra]
+        cmd = [sys.executable, *launch, "--config", "deploy/configs/cpu.toml", *SMALL_RUN, *extra]
         cmd += [f"--learner.server_urls=http://127.0.0.1:{port}", f"--learner.out_dir={work / 'run'}"]
-        cmd += ["--learner.steps=1", "--learner.prompts_per_step=2", "--learner.micro_batch_size=4"]
-        cmd += ["--learner.grad_accum=2", "--learner.dynamic_sampling=false"]
+        cmd += [*SMALL_LEARNER, "--learner.steps=1"]
         env = tandem_env(TOKEN, OMP_NUM_THREADS="1")
         learner = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         last, lines = time.monotonic(), []

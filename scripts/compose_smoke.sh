@@ -54,7 +54,7 @@ cp "$compose_bin" ~/.docker/cli-plugins/docker-compose
 compose() { docker compose -f deploy/compose.cpu.yml "$@"; }
 log "$(docker compose version) ($cli)"
 
-remove_image() {
+remove_image() {  # remove_image [HINT]: the hint ends the log line
   docker image rm tandem:cpu >/dev/null 2>&1 || true
   # All unused build cache goes, not only this build's (Docker cannot tell them apart): in CI only.
   local what="tandem:cpu removed"
@@ -62,7 +62,7 @@ remove_image() {
     docker builder prune -af >/dev/null 2>&1 || true
     what="$what with the build cache"
   fi
-  log "$what (TANDEM_SMOKE_KEEP_IMAGE=1 keeps it)"
+  log "$what${1:+ ($1)}"
 }
 if [ "$mode" = clean ]; then
   remove_image
@@ -126,7 +126,7 @@ finish() {
   compose down -v --remove-orphans >/dev/null 2>&1 || true
   log "stack removed"
   if [ "${TANDEM_SMOKE_KEEP_IMAGE:-0}" != 1 ]; then
-    remove_image
+    remove_image "TANDEM_SMOKE_KEEP_IMAGE=1 keeps it"
   fi
 }
 trap finish EXIT

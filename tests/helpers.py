@@ -10,6 +10,7 @@ from harness import procs
 from harness.adapters import random_adapter
 from harness.net import free_port  # noqa: F401 (tests import it from here)
 from harness.procs import Proc, tandem_env
+from harness.runs import SMALL_LEARNER, SMALL_RUN  # noqa: F401 (tests import them from here)
 from learner.client import RolloutClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,26 +22,6 @@ def proc_env(**extra: str) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = env.get("OMP_NUM_THREADS", "2")
     env.update(extra)
     return env
-
-
-# A small run of cpu.toml that end-to-end tests share: G = 4, two prompts per step in one micro-batch
-# each, no dynamic sampling (so a step's groups are exactly the first two pulled). Later overrides win.
-SMALL_RUN = [
-    "--sampling.group_size=4",
-    "--server.prompts_per_batch=2",
-    "--data.arith.difficulty=2",  # ~35 % greedy accuracy: most groups carry a learning signal
-    # cpu.toml zeroes completions cut at max_new_tokens; these runs' short limits cut most of them, which
-    # made whole groups all-zero (no gradient: the shared-prompt gradient test once had nothing to compare)
-    "--reward.truncated=score",
-]
-SMALL_LEARNER = [
-    "--learner.prompts_per_step=2",
-    "--learner.micro_batch_size=4",
-    "--learner.grad_accum=2",
-    "--learner.dynamic_sampling=false",
-    "--learner.pull_wait_s=120",
-    "--learner.lr=2e-4",
-]
 
 
 def start_learner(

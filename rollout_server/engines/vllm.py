@@ -132,7 +132,7 @@ def start_engine(args, fork: bool):
 def no_torch_compile() -> None:
     """Run the few functions vLLM compiles even in eager mode (its sampler's log-prob gather and rank
     count) as plain PyTorch, in this process and the engine's. On CPU, compiling them with inductor cost
-    ~18 s at each first generation on a machine with a cold compile cache (every fresh container) and ~3 s
+    ~18 s at each first generation on a machine with a cold compile cache (every fresh container) and ~2 s
     with a warm one, for functions that take microseconds (docs/benchmarks.md §19). `enforce_eager` is the
     promise of no compilation; this keeps it."""
     import torch._dynamo

@@ -62,11 +62,11 @@ def _server_job(env: dict[str, str], log: Path) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("servers", [2])
-def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path, servers):
-    """N server jobs (TANDEM_NUM_SERVERS, each its shard: TANDEM_SHARD as a job array's task id would be)
+def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path):
+    """Two server jobs (TANDEM_NUM_SERVERS, each its shard: TANDEM_SHARD as a job array's task id would be)
     and the learner job find each other through the run folder; every server gets the published v1. One
     server job: the resubmission test below (its learner job finds job A's URL, then B's)."""
+    servers = 2
     ports = [free_port() for _ in range(servers)]
     started = []
     for k, port in enumerate(ports):
@@ -97,16 +97,11 @@ def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path, server
         assert learner.returncode == 0, learner.stdout[-3000:] + learner.stderr[-3000:]
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         assert (tmp_path / "learner" / "adapters" / "v1" / "adapter_model.safetensors").is_file()
-        if servers == 1:
-            assert (tmp_path / "server_url").read_text().strip() == urls[0]
-            assert f"learner connecting to {urls[0]}" in learner.stdout
-            assert (Path(tmp_path) / "server" / "adapters" / "v1").is_dir()  # published to the server
-        else:
-            assert [(tmp_path / "server_urls" / str(k)).read_text().strip() for k in range(servers)] == urls
-            assert f"learner connecting to {json.dumps(urls)}" in learner.stdout
-            for k in range(servers):  # each its own state and shard, and each got v1
-                assert (tmp_path / f"server-{k}" / "adapters" / "v1").is_dir()
-                assert f"shard {k} of {servers}" in (tmp_path / f"server{k}.log").read_text()
+        assert [(tmp_path / "server_urls" / str(k)).read_text().strip() for k in range(servers)] == urls
+        assert f"learner connecting to {json.dumps(urls)}" in learner.stdout
+        for k in range(servers):  # each its own state and shard, and each got v1
+            assert (tmp_path / f"server-{k}" / "adapters" / "v1").is_dir()
+            assert f"shard {k} of {servers}" in (tmp_path / f"server{k}.log").read_text()
     finally:
         for server in started:
             os.killpg(server.pid, 15)

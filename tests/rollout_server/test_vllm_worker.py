@@ -79,20 +79,32 @@ def compile_switch(monkeypatch) -> list[bool]:
     return calls
 
 
-@pytest.mark.parametrize("block_size", [32, None])
-def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(monkeypatch, block_size):
-    import os
-
+@pytest.fixture
+def fake_start(monkeypatch) -> None:
+    """VllmBackend.create() without an engine: its engine arguments come back as a dict, the engine it
+    starts is an _Engine, and the variables create() sets for the engine's processes are restored after
+    the test (they would otherwise hold for the rest of the session)."""
     from vllm.engine import arg_utils
+
+    from rollout_server.engines import vllm as vllm_engine
+
+    monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
+    monkeypatch.setattr(vllm_engine, "start_engine", lambda a, fork: _Engine())
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+
+
+@pytest.mark.parametrize("block_size", [32, None])
+def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(
+    monkeypatch, fake_start, block_size
+):
+    import os
 
     from rollout_server.engines import vllm as vllm_engine
     from rollout_server.engines.vllm import IDLE_SPIN_S, VllmBackend
     from shared.config import load_config
     from tests.helpers import REPO
 
-    monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # create() would set it for the rest of the session
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # likewise (restored after the test)
     cfg = load_config(REPO / "deploy/configs/cpu.toml")
     assert cfg.server.vllm.block_size == 32  # the CPU recipe's (its prompts are shorter than vLLM's 128)
     cfg.server.vllm.block_size = block_size
@@ -120,22 +132,15 @@ def test_the_engine_gets_the_extension_the_block_size_and_its_idle_poll_bounded(
 
 
 @pytest.mark.parametrize("theirs", [None, "256"])
-def test_on_cpu_the_engine_keeps_few_compiled_kernels_unless_told_otherwise(monkeypatch, theirs):
+def test_on_cpu_the_engine_keeps_few_compiled_kernels_unless_told_otherwise(monkeypatch, fake_start, theirs):
     """oneDNN's default cache (1,024 kernels) grew the worker with every version of a training run: the
     engine's processes inherit a small bound, and a value the user set wins."""
     import os
 
-    from vllm.engine import arg_utils
-
-    from rollout_server.engines import vllm as vllm_engine
     from rollout_server.engines.vllm import ONEDNN_CACHE_CAPACITY, VllmBackend
     from shared.config import load_config
     from tests.helpers import REPO
 
-    monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
-    monkeypatch.setattr(vllm_engine, "start_engine", lambda a, fork: _Engine())
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # create() sets it (restored after the test)
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", theirs or "")  # restored after the test
     if theirs is None:
         monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
@@ -145,20 +150,13 @@ def test_on_cpu_the_engine_keeps_few_compiled_kernels_unless_told_otherwise(monk
 
 
 @pytest.mark.parametrize("eager", [True, False])
-def test_an_eager_engine_on_cpu_compiles_nothing(monkeypatch, compile_switch, eager):
+def test_an_eager_engine_on_cpu_compiles_nothing(fake_start, compile_switch, eager):
     """server.vllm.enforce_eager on CPU also switches off the few functions vLLM compiles in eager mode
     (~18 s of a first generation with a cold compile cache); without it vLLM compiles as it chooses."""
-    from vllm.engine import arg_utils
-
-    from rollout_server.engines import vllm as vllm_engine
     from rollout_server.engines.vllm import VllmBackend
     from shared.config import load_config
     from tests.helpers import REPO
 
-    monkeypatch.setattr(arg_utils, "AsyncEngineArgs", lambda **kw: kw)
-    monkeypatch.setattr(vllm_engine, "start_engine", lambda a, fork: _Engine())
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # create() sets it (restored after the test)
     cfg = load_config(REPO / "deploy/configs/cpu.toml")
     cfg.server.vllm.enforce_eager = eager
     asyncio.run(VllmBackend.create(cfg, "/models/m"))

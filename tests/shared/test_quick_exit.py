@@ -44,3 +44,23 @@ def test_an_exit_through_it_keeps_the_code_output_threads_and_handlers_and_skips
     assert (tmp_path / "mark.thread").exists() and (tmp_path / "mark.handler").exists()
     # quick_exit.exit: the process ends before the teardown; a plain exit still tears down as usual
     assert (tmp_path / "mark.teardown").exists() == (end == "raise SystemExit(3)")
+
+
+@pytest.mark.parametrize("script", ["tandem-server", "tandem-learner"])
+def test_the_console_scripts_end_through_it_as_python_m_does(monkeypatch, script):
+    """pyproject's console scripts point at the entry point that arms quick_exit and exits with main()'s
+    code, the one `python -m` runs, not at main() itself (which ends through the ordinary teardown)."""
+    import importlib
+    import tomllib
+
+    from shared import quick_exit
+
+    target = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"][script]
+    module_name, function = target.split(":")
+    module = importlib.import_module(module_name)
+    calls = []
+    monkeypatch.setattr(module, "main", lambda: 7)
+    monkeypatch.setattr(quick_exit, "arm", lambda: calls.append("arm"))
+    monkeypatch.setattr(quick_exit, "exit", lambda code: calls.append(code))
+    getattr(module, function)()
+    assert calls == ["arm", 7]
