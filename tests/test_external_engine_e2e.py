@@ -107,69 +107,67 @@ def _check_rescored(rescored) -> None:
         assert mean < 2e-3, mean
 
 
-def test_an_external_engine_killed_mid_run_is_brought_back_to_the_served_version(tmp_path, procs, engines):
-    engine = engines[0]
-    server, client = start_server(
-        tmp_path, [*SERVER, f"--server.openai.endpoints={json.dumps([engine.url])}"]
-    )
+def test_two_external_engines_one_killed_mid_run_is_brought_back_to_the_served_version(
+    tmp_path, procs, engines
+):
+    """Both engines sample from the first batch on (least busy first, each in turn: a batch's two prompts
+    go one to each). Engine 0 is SIGKILLed once v1 is published: the server reports it down, engine 1 goes
+    on alone. Production is paused while engine 0 restarts, so that the steps left need groups made after
+    it is back (the queue holds one step's worth): brought to the served version, it samples again, and
+    the last version is loaded on both."""
+    urls = [e.url for e in engines]
+    server, client = start_server(tmp_path, [*SERVER, f"--server.openai.endpoints={json.dumps(urls)}"])
     procs.append(server)
     out = tmp_path / "run"
     learner = start_learner(client.url, out, tmp_path / "learner.log", [*RUN, *LEARNER, "--learner.steps=3"])
     procs.append(learner)
+    killed = engines[0]
 
     def published(version: int) -> bool:
         return any(e["event"] == "publish" and e["version"] >= version for e in _events(tmp_path))
 
     try:
         wait_for("v1 is published", lambda: published(1), [server, learner])
-        engine.proc.signal(signal.SIGKILL)
-        engine.proc.wait(timeout=30)
-        wait_for("the server reports the engine down", lambda: not client.health().engines[0]["up"], [server])
-        assert any(e["event"] == "endpoint_down" for e in _events(tmp_path))
-        engine.proc = engine.start()
-        wait_healthy(engine.proc, engine.url, 600)
+        killed.proc.signal(signal.SIGKILL)
+        killed.proc.wait(timeout=30)
+        client.pause_production()
+        wait_for("the server reports engine 0 down", lambda: not client.health().engines[0]["up"], [server])
+        killed.proc = killed.start()
+        wait_healthy(killed.proc, killed.url, 600)
+        wait_for("the server brings engine 0 back", lambda: client.health().engines[0]["up"], [server])
+        client.resume_production()
         assert learner.wait(timeout=900) == 0, learner.log()[-5000:]
-        client.pause_production()  # trained: what follows has the engine to itself
+        client.pause_production()  # trained: what follows has the engines to itself
         health = client.health()
-        assert health.policy_version == 3 and health.engines[0]["up"] and 3 in health.engines[0]["versions"]
+        assert health.policy_version == 3
+        assert [(e["url"], e["up"], 3 in e["versions"]) for e in health.engines] == [
+            (u, True, True) for u in urls
+        ]
         events = _events(tmp_path)
         down = next(i for i, e in enumerate(events) if e["event"] == "endpoint_down")
-        back = next(e for e in events[down:] if e["event"] == "endpoint_up")
-        served = max(e["version"] for e in events[:down] if e["event"] == "publish")
-        assert served in back["versions"], "the restarted engine was not brought to the served version"
-        _check_versions(events)
-        assert any(e["event"] == "sampled" for e in events[events.index(back) :]), "nothing sampled after"
+        assert events[down]["endpoint"] == killed.url
+        back = next(
+            i
+            for i, e in enumerate(events[down:], down)
+            if e["event"] == "endpoint_up" and e["endpoint"] == killed.url
+        )
+        # (v2 may be published while it is down: brought back to whatever is served by then)
+        served = max(e["version"] for e in events[:back] if e["event"] == "publish")
+        assert served in events[back]["versions"], (
+            "the restarted engine was not brought to the served version"
+        )
+        sampled = _check_versions(events)
+        assert set(sampled) == set(urls), "an engine never sampled"
+        assert any(e["event"] == "sampled" and e["endpoint"] == killed.url for e in events[back:]), (
+            "nothing sampled on the restarted engine"
+        )
+        assert {e["endpoint"] for e in events if e["event"] == "endpoint_load" and e["version"] == 3} == set(
+            urls
+        ), "v3 (published with both up) did not go to both"
         steps = jsonl(out / "groups.jsonl")
         assert len(steps) == 3
         trained = {g["policy_version"] for t in steps for g in t["groups"]}
         assert trained - {0}, "no group of a published version was trained"
         _check_rescored(rescore(client, steps))
-    finally:
-        client.close()
-
-
-def test_two_external_engines_both_sample_and_are_brought_to_every_version(tmp_path, procs, engines):
-    urls = [e.url for e in engines]
-    server, client = start_server(tmp_path, [*SERVER, f"--server.openai.endpoints={json.dumps(urls)}"])
-    procs.append(server)
-    out = tmp_path / "run"
-    learner = start_learner(client.url, out, tmp_path / "learner.log", [*RUN, *LEARNER, "--learner.steps=2"])
-    procs.append(learner)
-    try:
-        assert learner.wait(timeout=900) == 0, learner.log()[-5000:]
-        client.pause_production()  # trained: what follows has the engine to itself
-        health = client.health()
-        assert health.policy_version == 2
-        assert [(e["url"], e["up"], 2 in e["versions"]) for e in health.engines] == [
-            (u, True, True) for u in urls
-        ]
-        events = _events(tmp_path)
-        sampled = _check_versions(events)
-        assert set(sampled) == set(urls), "an engine never sampled"
-        for version in (1, 2):  # each published version went to both
-            assert {
-                e["endpoint"] for e in events if e["event"] == "endpoint_load" and e["version"] == version
-            } == set(urls)
-        _check_rescored(rescore(client, jsonl(out / "groups.jsonl")))
     finally:
         client.close()
