@@ -10,16 +10,17 @@ last user message as the model saw it, and the row's other columns (a dict of JS
     weights = [1.0, 0.2]                                # "path/to/file.py:function"
 
 The reward of a completion is the weighted sum; each function's own value travels with the group
-(`Completion.rewards`) and the learner logs `reward/<name>/mean`.
+(`Completion.rewards`) and the learner logs `reward/<name>/mean`. A reward model is an entry too,
+`"rm:path/to/folder"` (shared/reward_models.py).
 
-Where they run: the linear-time built-ins (`gsm8k`, `r1_format`) in a thread of the server; everything
-else (`math` and all user code) in `reward.workers` child processes (`python -m shared.reward_worker`),
-one call at a time each. A call that runs past `reward.timeout_s` has its process killed and replaced, so
-a function that hangs, spins or crashes its interpreter costs that call and never the server; `math`
-also uses math-verify's own signal-based time limits, which work there because each call runs on the
-worker's main thread. A call that raises, times out, returns a non-number or a non-finite number gives
-0 for that function, is counted (`on_failure`, the server's `/metrics`) and logged once per function and
-kind, with the traceback.
+Where they run: the linear-time built-ins (`gsm8k`, `r1_format`) in a thread of the server, and reward
+models in another, batched; everything else (`math` and all user code) in `reward.workers` child
+processes (`python -m shared.reward_worker`), one call at a time each. A call that runs past
+`reward.timeout_s` has its process killed and replaced, so a function that hangs, spins or crashes its
+interpreter costs that call and never the server; `math` also uses math-verify's own signal-based time
+limits, which work there because each call runs on the worker's main thread. A call that raises, times
+out, returns a non-number or a non-finite number gives 0 for that function, is counted (`on_failure`, the
+server's `/metrics`) and logged once per function and kind, with the traceback.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from shared import reward_models
 from shared.config import ConfigError, EnvConfig, RewardConfig
 from shared.reward import verify
 
@@ -169,11 +171,23 @@ def load_function(spec: str, args: tuple[tuple, str] | None = REWARD_ARGS) -> Ca
 
 @dataclass(frozen=True)
 class RewardFunction:
-    name: str  # in metrics and logs: the built-in's name, else the function's
+    name: str  # in metrics and logs: the built-in's name, else the function's (a reward model's folder's)
     spec: str
     weight: float
     inline: bool
     fn: Callable[..., Any]
+    model: reward_models.RewardModel | None = None  # "rm:folder": scored in batches, in this process
+
+
+def _model_function(spec: str, weight: float, cfg: RewardConfig) -> RewardFunction:
+    """A reward model's entry (shared/reward_models.py), checked without loading its weights."""
+    folder = reward_models.check(spec)
+    model = reward_models.RewardModel(folder, cfg.model_device, cfg.model_batch_size, cfg.model_max_tokens)
+
+    def one(completion: str, answer: str, prompt: str, metadata: dict) -> float:
+        return model.score([(prompt, completion)])[0]
+
+    return RewardFunction(folder.name, spec, weight, False, one, model)
 
 
 def resolve(cfg: RewardConfig) -> list[RewardFunction]:
@@ -182,15 +196,20 @@ def resolve(cfg: RewardConfig) -> list[RewardFunction]:
     out: list[RewardFunction] = []
     for i, (spec, weight) in enumerate(zip(cfg.functions, weights, strict=True)):
         try:
-            fn = load_function(spec)
+            if reward_models.is_reward_model(spec):
+                f = _model_function(spec, weight, cfg)
+            else:
+                fn = load_function(spec)
+                name = spec if spec in BUILTINS else spec.rpartition(":")[2]
+                f = RewardFunction(name, spec, weight, spec in BUILTINS and BUILTINS[spec][1], fn)
         except ValueError as e:
             raise ConfigError(f"reward.functions[{i}]: {e}") from None
-        name = spec if spec in BUILTINS else spec.rpartition(":")[2]
-        if any(f.name == name for f in out):
+        name = f.name
+        if any(g.name == name for g in out):
             raise ConfigError(f"reward.functions[{i}]: a second function named '{name}' (names must differ)")
         if name in SHAPING_PARTS:
             raise ConfigError(f"reward.functions[{i}]: '{name}' names a length-shaping part; rename it")
-        out.append(RewardFunction(name, spec, weight, spec in BUILTINS and BUILTINS[spec][1], fn))
+        out.append(f)
     return out
 
 
@@ -312,7 +331,8 @@ class RewardRunner:
         self.timeout_s = cfg.timeout_s
         self.on_failure = on_failure
         self.failures: Counter[tuple[str, str]] = Counter()
-        self._remote = [f for f in self.functions if not f.inline]
+        self._remote = [f for f in self.functions if not f.inline and f.model is None]
+        self._models = [f for f in self.functions if f.model is not None]
         self._specs = [f.spec for f in self._remote] + list(env)  # what each worker loads, in this order
         self._size = cfg.workers
         self._idle: asyncio.Queue[_Worker | None] | None = None  # None in it: a worker to start on use
@@ -394,18 +414,34 @@ class RewardRunner:
         index = self._specs.index(spec, len(self._remote))
         return await self._in_worker(index, spec.rpartition(":")[2], args, any_value=True)
 
+    async def _model_scores(self, f: RewardFunction, calls: list[RewardCall]) -> list[float]:
+        """A reward model's rewards for the calls, batched in a thread; a forward pass that raised gives
+        every call 0, each counted."""
+        try:
+            values = await asyncio.to_thread(f.model.score, [(c.prompt, c.completion) for c in calls])
+        except Exception:
+            detail = traceback.format_exc()
+            return [self._failed(f.name, "raised", detail) for _ in calls]
+        return [self._result(f.name, v) for v in values]
+
     async def score(self, calls: list[RewardCall]) -> list[dict[str, float]]:
         """Every function's reward for each call: [{name: reward}], in the calls' order."""
-        inline = len(self._remote) < len(self.functions)
+        inline = any(f.inline for f in self.functions)
         out = await asyncio.to_thread(self._inline, calls) if inline else [{} for _ in calls]
         jobs = [
             (i, f, row, call)
             for i, f in enumerate(self._remote)
             for row, call in zip(out, calls, strict=True)
         ]
-        values = await asyncio.gather(*(self._remote_call(i, f, c) for i, f, _, c in jobs))
+        values, scored = await asyncio.gather(
+            asyncio.gather(*(self._remote_call(i, f, c) for i, f, _, c in jobs)),
+            asyncio.gather(*(self._model_scores(f, calls) for f in self._models)),
+        )
         for (_, f, row, _), value in zip(jobs, values, strict=True):
             row[f.name] = value
+        for f, column in zip(self._models, scored, strict=True):
+            for row, value in zip(out, column, strict=True):
+                row[f.name] = value
         return [{f.name: row[f.name] for f in self.functions} for row in out]
 
     async def close(self) -> None:

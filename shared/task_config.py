@@ -154,9 +154,10 @@ class RewardConfig(Section):
         default=["gsm8k"],
         min_length=1,
         description="reward functions: built-in names ('gsm8k': the GSM8K verifier; 'math': math-verify for "
-        "LaTeX/\\boxed{} answers; 'r1_format': <think>...</think> then an answer) or 'module:function' / "
+        "LaTeX/\\boxed{} answers; 'r1_format': <think>...</think> then an answer), 'module:function' / "
         "'path/to/file.py:function' for your own, called as f(completion, answer, prompt, metadata) -> float "
-        "(plain or async)",
+        "(plain or async), or 'rm:path/to/folder' for a reward model (a transformers sequence classifier "
+        "with one output, whose logit is the reward; named after its folder)",
     )
     weights: list[float] | None = Field(
         default=None, description="one weight per function; the reward is the weighted sum. None = all 1"
@@ -189,6 +190,21 @@ class RewardConfig(Section):
         le=1e6,
         description="a linear length penalty: each completion's reward less this x its tokens / "
         "sampling.max_new_tokens (a part named 'length_penalty'). 0: off. Training only, single-turn only",
+    )
+    model_device: str = Field(
+        default="cpu",
+        pattern=r"^(cpu|cuda(:\d+)?)$",
+        description="where the reward models ('rm:' functions) run: 'cpu' (float32), or 'cuda' / 'cuda:N' "
+        "(bfloat16; leave room beside the engine: server.vllm.gpu_memory_utilization)",
+    )
+    model_batch_size: int = Field(
+        default=16, ge=1, le=4096, description="completions a reward model scores per forward pass"
+    )
+    model_max_tokens: int = Field(
+        default=2048,
+        ge=8,
+        le=1_000_000,
+        description="a reward model reads at most this many tokens of prompt and completion (cut after)",
     )
     workers: int = Field(
         default=2,

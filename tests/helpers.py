@@ -140,3 +140,37 @@ def rescore(client, steps) -> list[tuple[dict, list[float]]]:
                 mask = c["mask"] or [1] * len(c["token_ids"])
                 out.append((c, [lp for lp, m in zip(scored, mask, strict=True) if m]))
     return out
+
+
+def make_reward_model(folder: Path, tokenizer_from: str, labels: int = 1, seed: int = 0) -> Path:
+    """A tiny sequence classifier (two layers of width 32, random weights, a score head far from zero so
+    that texts score apart) with the tokenizer and chat template of the model at `tokenizer_from`, saved
+    in `folder`: a reward model for `rm:` (labels = 1)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, num_labels=labels,
+    )  # fmt: skip
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():  # a score head far from zero, so rewards differ between texts
+        model.score.weight.normal_(0, 2.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def reward_model_score(folder: Path, prompt: str, completion: str, max_tokens: int = 2048) -> float:
+    """The classifier's forward pass on one conversation, unpadded, as transformers gives it."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    with torch.no_grad():
+        return model(torch.tensor([ids[:max_tokens]])).logits[0, 0].item()

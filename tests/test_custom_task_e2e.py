@@ -1,7 +1,8 @@
 """Train on the user's own task end to end: a JSONL dataset with its own column names and a reward module,
 both written here into a temporary folder (neither importable from the package), with three weighted
-reward functions (a plain one, an async one read from its file path, one that always raises), the real
-rollout server (vLLM) and the real DeepSpeed learner on SmolLM2, two steps."""
+reward functions (a plain one, an async one read from its file path, one that always raises) and a reward
+model (a tiny sequence classifier saved here: `rm:folder`), the real rollout server (vLLM) and the real
+DeepSpeed learner on SmolLM2, two steps."""
 
 from __future__ import annotations
 
@@ -13,7 +14,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from shared.datasets import make_arith
-from tests.helpers import SMALL_LEARNER, proc_env, start_learner, start_server
+from tests.helpers import (
+    SMALL_LEARNER,
+    make_reward_model,
+    proc_env,
+    reward_model_score,
+    start_learner,
+    start_server,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +39,7 @@ async def tagged(completion, answer, prompt, metadata):
 def broken(completion, answer, prompt, metadata):
     raise KeyError("a bug in the user's reward function")
 """
-WEIGHTS = {"exact": 1.0, "tagged": 0.5, "broken": 0.25}
+WEIGHTS = {"exact": 1.0, "tagged": 0.5, "broken": 0.25, "tiny-rm": 0.1}
 
 
 def _exact(text: str, answer: str) -> float:
@@ -50,6 +58,7 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
     too_long = {"uid": "long", "problem": "How many? " * 400, "solution_value": 1, "level": 1}  # > 512 tokens
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*rows, too_long]))
     (code / "my_rewards.py").write_text(REWARDS)
+    rm = make_reward_model(tmp_path / "tiny-rm", model_dir)
     task = [
         "--data.task=custom",
         f"--data.path={data}",
@@ -58,7 +67,8 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
         "--data.custom.id_column=uid",
         "--data.system_prompt=You are a careful calculator.",
         "--data.prompt_template=Level {level}: {prompt}\nEnd with a line '#### <number>'.",
-        f'--reward.functions=["my_rewards:exact", "{code}/my_rewards.py:tagged", "my_rewards:broken"]',
+        f'--reward.functions=["my_rewards:exact", "{code}/my_rewards.py:tagged", "my_rewards:broken", '
+        f'"rm:{rm}"]',
         f"--reward.weights={list(WEIGHTS.values())}",
         "--reward.truncated=score",  # cpu.toml zeroes completions cut at max_new_tokens: score them all here
         "--sampling.group_size=4",
@@ -95,18 +105,20 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
                 "You are a careful calculator." in prompt
                 and f"Level {row['level']}: {row['problem']}" in prompt
             )
+            user = f"Level {row['level']}: {row['problem']}\nEnd with a line '#### <number>'."
             for c in g["completions"]:
                 want = {
                     "exact": _exact(c["text"], g["answer"]),
                     "tagged": row["level"] / 10 + (0.5 if "####" in c["text"] else 0.0),
                     "broken": 0.0,
+                    "tiny-rm": reward_model_score(rm, user, c["text"]),  # the reward model, by hand
                 }
-                assert c["rewards"] == pytest.approx(want)
-                assert c["reward"] == pytest.approx(sum(WEIGHTS[n] * v for n, v in want.items()))
+                assert c["rewards"] == pytest.approx(want, rel=1e-5, abs=1e-5)  # (the model: batched)
+                assert c["reward"] == pytest.approx(sum(WEIGHTS[n] * v for n, v in want.items()), abs=1e-5)
                 for name, v in want.items():
                     values[name].append(v)
         for name, v in values.items():  # the learner logs each function's mean over what it trained on
-            assert m[f"reward/{name}/mean"] == pytest.approx(sum(v) / len(v))
+            assert m[f"reward/{name}/mean"] == pytest.approx(sum(v) / len(v), abs=1e-5)
     assert "long" not in {g["prompt_id"] for record in steps for g in record["groups"]}
     assert re.search(r"^tandem_prompts_too_long_total 1\.0$", metrics_text, re.M)  # left out at start
     assert "skipped 1 of 65 custom problems whose prompt alone" in (tmp_path / "server.log").read_text()
