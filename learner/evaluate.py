@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import time
+from typing import NoReturn
 
 from learner.client import RolloutClient
 from shared import quick_exit
@@ -185,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def run() -> NoReturn:
+    """The entry point (`python -m learner.evaluate`, and the `tandem-evaluate` console script): main()
+    ending through shared/quick_exit.py, without the interpreter's teardown."""
     quick_exit.arm()
     quick_exit.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -46,7 +46,7 @@ def test_an_exit_through_it_keeps_the_code_output_threads_and_handlers_and_skips
     assert (tmp_path / "mark.teardown").exists() == (end == "raise SystemExit(3)")
 
 
-@pytest.mark.parametrize("script", ["tandem-server", "tandem-learner"])
+@pytest.mark.parametrize("script", ["tandem-server", "tandem-learner", "tandem-evaluate"])
 def test_the_console_scripts_end_through_it_as_python_m_does(monkeypatch, script):
     """pyproject's console scripts point at the entry point that arms quick_exit and exits with main()'s
     code, the one `python -m` runs, not at main() itself (which ends through the ordinary teardown)."""
@@ -64,3 +64,14 @@ def test_the_console_scripts_end_through_it_as_python_m_does(monkeypatch, script
     monkeypatch.setattr(quick_exit, "exit", lambda code: calls.append(code))
     getattr(module, function)()
     assert calls == ["arm", 7]
+
+
+def test_every_console_script_names_a_function_that_exists():
+    import importlib
+    import tomllib
+
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert {"tandem-server", "tandem-learner", "tandem-evaluate", "tandem-preflight"} <= set(scripts)
+    for target in scripts.values():
+        module_name, function = target.split(":")
+        assert callable(getattr(importlib.import_module(module_name), function)), target
