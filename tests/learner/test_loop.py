@@ -2,7 +2,8 @@
 (SmolLM2's tokenizer, 2 layers of width 32), the real DeepSpeed engine, fp32: the loss curve of an
 uninterrupted run, and the same run stopped after step 2 and resumed, step for step (torchtune's "expected
 loss curve after a resume"). A loop that saved its checkpoint before the optimizer step, or a resume that
-lost the optimizer's state, gives another step 3."""
+lost the optimizer's state, gives another step 3. The resumed step 3 runs under the profiler
+(learner.profile_step): its report is written, and the step computes what the unprofiled one did."""
 
 from __future__ import annotations
 
@@ -92,8 +93,13 @@ def test_a_resumed_run_continues_the_uninterrupted_run_s_loss_curve(tiny, tmp_pa
     shutil.copytree(whole, resumed)
     (resumed / "checkpoints" / "latest").write_text("step-2")
     shutil.rmtree(resumed / "checkpoints" / "step-3")
-    log = _learn(tiny, resumed, "--resume")
+    log = _learn(tiny, resumed, "--resume", "--learner.profile_step=3")
     assert "at step 2, policy v2" in log and "done at step 3" in log
+    profile = (resumed / "profile" / "step_3.txt").read_text()
+    assert "by operator:" in profile and "by operator and input shapes:" in profile
+    ops = ("aten::mm", "aten::addmm", "aten::linear", "aten::bmm")
+    assert any(op in profile for op in ops), profile[:2000]
+    assert (resumed / "profile" / "step_3.trace.json").stat().st_size > 0
     again = _curve(resumed)
     assert [r["step"] for r in again] == [1, 2, 3]
     for key in ("loss", "grad_norm", "kl/ref", "ratio/clipfrac"):
