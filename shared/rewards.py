@@ -11,7 +11,7 @@ last user message as the model saw it, and the row's other columns (a dict of JS
 
 The reward of a completion is the weighted sum; each function's own value travels with the group
 (`Completion.rewards`) and the learner logs `reward/<name>/mean`. A reward model is an entry too,
-`"rm:path/to/folder"` (shared/reward_models.py).
+`"rm:path/to/folder"` (shared/reward_models.py), and so is an LLM judge, `"judge"` (shared/judge.py).
 
 Where they run: the linear-time built-ins (`gsm8k`, `r1_format`) in a thread of the server, and reward
 models in another, batched; everything else (`math` and all user code) in `reward.workers` child
@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import numbers
+import os
 import sys
 import threading
 import traceback
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from shared import reward_models
+from shared import judge, reward_models
 from shared.config import ConfigError, EnvConfig, RewardConfig
 from shared.reward import verify
 
@@ -190,6 +191,26 @@ def _model_function(spec: str, weight: float, cfg: RewardConfig) -> RewardFuncti
     return RewardFunction(folder.name, spec, weight, False, one, model)
 
 
+def _judge_function(weight: float, cfg: RewardConfig) -> RewardFunction:
+    """The "judge" entry: checked here (its key's variable set); RewardRunner asks the judge in batches,
+    and `fn` (one completion at a time: lm-eval's path) asks a judge of its own."""
+    if cfg.judge.api_key_env and not os.environ.get(cfg.judge.api_key_env):
+        raise ValueError(
+            f"reward.judge.api_key_env: the environment variable {cfg.judge.api_key_env} is not set"
+        )
+
+    async def one(completion: str, answer: str, prompt: str, metadata: dict) -> float:
+        if cfg.judge.url == "self":
+            raise ValueError("reward.judge.url = 'self' is this server's: score through the server")
+        asked = judge.Judge(cfg.judge, cfg.judge.url)
+        try:
+            return (await asked.score([(prompt, completion, answer)], lambda kind, detail: None))[0]
+        finally:
+            await asked.close()
+
+    return RewardFunction(judge.NAME, judge.NAME, weight, False, one)
+
+
 def resolve(cfg: RewardConfig) -> list[RewardFunction]:
     """The configured functions, imported and checked; a ConfigError names the entry at fault."""
     weights = cfg.weights or [1.0] * len(cfg.functions)
@@ -198,6 +219,8 @@ def resolve(cfg: RewardConfig) -> list[RewardFunction]:
         try:
             if reward_models.is_reward_model(spec):
                 f = _model_function(spec, weight, cfg)
+            elif spec == judge.NAME:
+                f = _judge_function(weight, cfg)
             else:
                 fn = load_function(spec)
                 name = spec if spec in BUILTINS else spec.rpartition(":")[2]
@@ -211,6 +234,15 @@ def resolve(cfg: RewardConfig) -> list[RewardFunction]:
             raise ConfigError(f"reward.functions[{i}]: '{name}' names a length-shaping part; rename it")
         out.append(f)
     return out
+
+
+def _judge_url(cfg: RewardConfig, self_url: str | None) -> str:
+    """reward.judge.url, with 'self' the URL of the rollout server that scores (`self_url`)."""
+    if cfg.judge.url != "self":
+        return cfg.judge.url
+    if self_url is None:
+        raise ConfigError("reward.judge.url = 'self' names the rollout server: score through one")
+    return self_url.rstrip("/") + "/v1"
 
 
 SHAPING_PARTS = ("overlong_penalty", "length_penalty")
@@ -319,20 +351,29 @@ class _Worker:
 class RewardRunner:
     """Scores completions with the configured functions, and runs the environment's user code (`env`:
     its step function or tools, by spec) in the same workers under the same limits. `on_failure(name,
-    kind)` is told of each call that failed (FAILURE_KINDS)."""
+    kind)` is told of each call that failed (FAILURE_KINDS). `self_url` and `self_token`: the rollout
+    server a judge of url = 'self' is, and its token."""
 
     def __init__(
         self,
         cfg: RewardConfig,
         on_failure: Callable[[str, str], None] = lambda name, kind: None,
         env: list[str] = (),
+        self_url: str | None = None,
+        self_token: str = "",
     ):
         self.functions = resolve(cfg)
         self.timeout_s = cfg.timeout_s
         self.on_failure = on_failure
         self.failures: Counter[tuple[str, str]] = Counter()
-        self._remote = [f for f in self.functions if not f.inline and f.model is None]
+        self._remote = [
+            f for f in self.functions if not f.inline and f.model is None and f.spec != judge.NAME
+        ]
         self._models = [f for f in self.functions if f.model is not None]
+        self._judge: judge.Judge | None = None
+        if any(f.spec == judge.NAME for f in self.functions):
+            url = _judge_url(cfg, self_url)
+            self._judge = judge.Judge(cfg.judge, url, token=self_token if cfg.judge.url == "self" else "")
         self._specs = [f.spec for f in self._remote] + list(env)  # what each worker loads, in this order
         self._size = cfg.workers
         self._idle: asyncio.Queue[_Worker | None] | None = None  # None in it: a worker to start on use
@@ -424,6 +465,14 @@ class RewardRunner:
             return [self._failed(f.name, "raised", detail) for _ in calls]
         return [self._result(f.name, v) for v in values]
 
+    async def _judged(self, calls: list[RewardCall]) -> list[float]:
+        if self._judge is None:
+            return []
+        return await self._judge.score(
+            [(c.prompt, c.completion, c.answer) for c in calls],
+            lambda kind, detail: self._failed(judge.NAME, kind, detail),
+        )
+
     async def score(self, calls: list[RewardCall]) -> list[dict[str, float]]:
         """Every function's reward for each call: [{name: reward}], in the calls' order."""
         inline = any(f.inline for f in self.functions)
@@ -433,18 +482,23 @@ class RewardRunner:
             for i, f in enumerate(self._remote)
             for row, call in zip(out, calls, strict=True)
         ]
-        values, scored = await asyncio.gather(
+        values, scored, judged = await asyncio.gather(
             asyncio.gather(*(self._remote_call(i, f, c) for i, f, _, c in jobs)),
             asyncio.gather(*(self._model_scores(f, calls) for f in self._models)),
+            self._judged(calls),
         )
         for (_, f, row, _), value in zip(jobs, values, strict=True):
             row[f.name] = value
         for f, column in zip(self._models, scored, strict=True):
             for row, value in zip(out, column, strict=True):
                 row[f.name] = value
+        for row, value in zip(out, judged, strict=False):  # (none without a judge)
+            row[judge.NAME] = value
         return [{f.name: row[f.name] for f in self.functions} for row in out]
 
     async def close(self) -> None:
+        if self._judge is not None:
+            await self._judge.close()
         if self._idle is None:
             return
         while not self._idle.empty():

@@ -149,6 +149,69 @@ class DataConfig(Section):
 BUILTIN_REWARDS = ("gsm8k", "math", "r1_format", "reasoning_gym")
 
 
+class JudgeConfig(Section):
+    """reward.judge: the LLM judge that the reward function named "judge" asks (shared/judge.py)."""
+
+    url: str = Field(
+        default="",
+        description="the judge's OpenAI-compatible base URL (e.g. 'http://host:8000/v1'; its "
+        "/chat/completions is called), or 'self': this rollout server's own OpenAI API (its `base` model "
+        "or a policy version, by judge.model; the server's token is sent)",
+    )
+    model: str = Field(default="", description="the model name the endpoint serves (self: 'base', 'latest')")
+    rubric: str = Field(
+        default="",
+        description="the judge's prompt: a format string over {prompt} (the task's last user message), "
+        "{completion} and {answer} (the reference answer)",
+    )
+    score: Literal["yes_no", "number"] = Field(
+        default="yes_no",
+        description="how the answer is read: 'yes_no' (the first yes or no: 1 or 0), or 'number' (the first "
+        "number, mapped from judge.range to 0..1 and clipped)",
+    )
+    range: tuple[float, float] = Field(
+        default=(0.0, 10.0), description="score = 'number': its lowest, highest"
+    )
+    max_tokens: int = Field(default=16, ge=1, le=65536, description="the judge's answer, at most")
+    max_concurrency: int = Field(default=8, ge=1, le=1024, description="judge requests in flight at once")
+    timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="per completion, retries included: past it the completion gets failure_score (counted)",
+    )
+    retries: int = Field(default=2, ge=0, le=20, description="a failed request is tried again this often")
+    backoff_s: float = Field(default=1.0, ge=0, le=600, description="before the first retry; doubling")
+    cache_size: int = Field(
+        default=10000,
+        ge=0,
+        le=10_000_000,
+        description="judgements kept, by (rubric, prompt, completion, answer)",
+    )
+    failure_score: float = Field(
+        default=0.0, ge=-1e6, le=1e6, description="what a completion the judge failed to score gets"
+    )
+    api_key_env: str = Field(
+        default="",
+        description="the environment variable that holds the endpoint's API key (sent as a bearer token); "
+        "the key itself never goes in the config",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> JudgeConfig:
+        if self.range[0] >= self.range[1]:
+            raise ValueError(f"reward.judge.range: {list(self.range)}: the lowest must be below the highest")
+        try:
+            fields = {f for _, f, _, _ in Formatter().parse(self.rubric) if f is not None}
+        except ValueError as e:
+            raise ValueError(f"reward.judge.rubric: {e} (write {{{{ and }}}} for literal braces)") from None
+        if other := sorted(fields - {"prompt", "completion", "answer"}):
+            raise ValueError(
+                f"reward.judge.rubric: {{{other[0]}}}: it fills {{prompt}}, {{completion}} and {{answer}}"
+            )
+        return self
+
+
 class RewardConfig(Section):
     functions: list[str] = Field(
         default=["gsm8k"],
@@ -156,8 +219,9 @@ class RewardConfig(Section):
         description="reward functions: built-in names ('gsm8k': the GSM8K verifier; 'math': math-verify for "
         "LaTeX/\\boxed{} answers; 'r1_format': <think>...</think> then an answer), 'module:function' / "
         "'path/to/file.py:function' for your own, called as f(completion, answer, prompt, metadata) -> float "
-        "(plain or async), or 'rm:path/to/folder' for a reward model (a transformers sequence classifier "
-        "with one output, whose logit is the reward; named after its folder)",
+        "(plain or async), 'rm:path/to/folder' for a reward model (a transformers sequence classifier "
+        "with one output, whose logit is the reward; named after its folder), or 'judge' for the LLM judge "
+        "of [reward.judge]",
     )
     weights: list[float] | None = Field(
         default=None, description="one weight per function; the reward is the weighted sum. None = all 1"
@@ -206,6 +270,7 @@ class RewardConfig(Section):
         le=1_000_000,
         description="a reward model reads at most this many tokens of prompt and completion (cut after)",
     )
+    judge: JudgeConfig = JudgeConfig()
     workers: int = Field(
         default=2,
         ge=1,
@@ -216,6 +281,10 @@ class RewardConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> RewardConfig:
+        if "judge" in self.functions:
+            for field in ("url", "model", "rubric"):
+                if not getattr(self.judge, field):
+                    raise ValueError(f"reward.functions names 'judge': set reward.judge.{field}")
         if self.weights is not None:
             if len(self.weights) != len(self.functions):
                 raise ValueError(

@@ -1,8 +1,9 @@
 """Train on the user's own task end to end: a JSONL dataset with its own column names and a reward module,
 both written here into a temporary folder (neither importable from the package), with three weighted
-reward functions (a plain one, an async one read from its file path, one that always raises) and a reward
-model (a tiny sequence classifier saved here: `rm:folder`), the real rollout server (vLLM) and the real
-DeepSpeed learner on SmolLM2, two steps."""
+reward functions (a plain one, an async one read from its file path, one that always raises), a reward
+model (a tiny sequence classifier saved here: `rm:folder`) and an LLM judge (the server's own base model
+through its OpenAI API: url = 'self'), the real rollout server (vLLM) and the real DeepSpeed learner on
+SmolLM2, two steps."""
 
 from __future__ import annotations
 
@@ -39,7 +40,13 @@ async def tagged(completion, answer, prompt, metadata):
 def broken(completion, answer, prompt, metadata):
     raise KeyError("a bug in the user's reward function")
 """
-WEIGHTS = {"exact": 1.0, "tagged": 0.5, "broken": 0.25, "tiny-rm": 0.1}
+WEIGHTS = {"exact": 1.0, "tagged": 0.5, "broken": 0.25, "tiny-rm": 0.1, "judge": 0.2}
+JUDGE = [
+    "--reward.judge.url=self",
+    "--reward.judge.model=base",
+    "--reward.judge.rubric=Question: {prompt}\nAnswer: {completion}\nIs it {answer}? Reply yes or no.",
+    "--reward.judge.max_tokens=4",
+]
 
 
 def _exact(text: str, answer: str) -> float:
@@ -68,7 +75,8 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
         "--data.system_prompt=You are a careful calculator.",
         "--data.prompt_template=Level {level}: {prompt}\nEnd with a line '#### <number>'.",
         f'--reward.functions=["my_rewards:exact", "{code}/my_rewards.py:tagged", "my_rewards:broken", '
-        f'"rm:{rm}"]',
+        f'"rm:{rm}", "judge"]',
+        *JUDGE,
         f"--reward.weights={list(WEIGHTS.values())}",
         "--reward.truncated=score",  # cpu.toml zeroes completions cut at max_new_tokens: score them all here
         "--sampling.group_size=4",
@@ -112,7 +120,9 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
                     "tagged": row["level"] / 10 + (0.5 if "####" in c["text"] else 0.0),
                     "broken": 0.0,
                     "tiny-rm": reward_model_score(rm, user, c["text"]),  # the reward model, by hand
+                    "judge": c["rewards"]["judge"],  # SmolLM2's yes (1) or no (0); 0 when neither: counted
                 }
+                assert want["judge"] in (0.0, 1.0)
                 assert c["rewards"] == pytest.approx(want, rel=1e-5, abs=1e-5)  # (the model: batched)
                 assert c["reward"] == pytest.approx(sum(WEIGHTS[n] * v for n, v in want.items()), abs=1e-5)
                 for name, v in want.items():
@@ -122,6 +132,12 @@ def test_two_steps_on_a_jsonl_task_with_user_reward_functions(tmp_path, model_di
     assert "long" not in {g["prompt_id"] for record in steps for g in record["groups"]}
     assert re.search(r"^tandem_prompts_too_long_total 1\.0$", metrics_text, re.M)  # left out at start
     assert "skipped 1 of 65 custom problems whose prompt alone" in (tmp_path / "server.log").read_text()
+    # the judge asked the server's own OpenAI API once per distinct completion it scored (16 a step at
+    # least); an answer with neither yes nor no was counted, not lost
+    judged = (tmp_path / "server.log").read_text().count('"POST /v1/chat/completions HTTP/1.1" 200')
+    bad = re.search(r'tandem_reward_failures_total\{function="judge",kind="bad_type"\} (\S+)', metrics_text)
+    assert judged >= 16, judged
+    print(f"judge: {judged} requests, {float(bad[1]) if bad else 0:.0f} answers without a yes or no")
     failures = re.search(
         r'tandem_reward_failures_total\{function="broken",kind="raised"\} (\S+)', metrics_text
     )

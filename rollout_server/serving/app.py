@@ -100,10 +100,14 @@ class Server:
         self.events = EventLog(state_dir / "events.jsonl")
         if hasattr(backend, "on_event"):  # an external engine's endpoints going down, up, loading versions
             backend.on_event = self.events.write
+        host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host  # (an IPv6 address)
         self.rewards = RewardRunner(
             cfg.reward,
             on_failure=lambda name, kind: self.metrics.reward_failures.labels(name, kind).inc(),
             env=[spec for _, spec in cfg.env.fields],  # the environment's code runs there too
+            self_url=f"http://{host}:{cfg.server.port}",  # a judge of url = 'self' (its OpenAI API)
+            self_token=os.environ.get(cfg.server.api_token_env, ""),
         )
         self.records = token_api.Records()  # what /inference/v1/generate answered, for checking it
         self.producer = Producer(
