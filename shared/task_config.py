@@ -158,7 +158,12 @@ class JudgeConfig(Section):
         "/chat/completions is called), or 'self': this rollout server's own OpenAI API (its `base` model "
         "or a policy version, by judge.model; the server's token is sent)",
     )
-    model: str = Field(default="", description="the model name the endpoint serves (self: 'base', 'latest')")
+    model: str = Field(
+        default="",
+        description="the model name the endpoint serves. self: 'latest' (the version served: free), or "
+        "'base' / 'policy-vN' (in merge mode each such batch switches the engine's weights, at most once "
+        "per server.vllm.eval_switch_every_s: production waits meanwhile)",
+    )
     rubric: str = Field(
         default="",
         description="the judge's prompt: a format string over {prompt} (the task's last user message), "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -163,13 +164,20 @@ def make_reward_model(folder: Path, tokenizer_from: str, labels: int = 1, seed: 
     return folder
 
 
-def reward_model_score(folder: Path, prompt: str, completion: str, max_tokens: int = 2048) -> float:
-    """The classifier's forward pass on one conversation, unpadded, as transformers gives it."""
+@functools.lru_cache(maxsize=4)
+def _classifier(folder: Path):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoTokenizer.from_pretrained(folder), model
+
+
+def reward_model_score(folder: Path, prompt: str, completion: str, max_tokens: int = 2048) -> float:
+    """The classifier's forward pass on one conversation, unpadded, as transformers gives it."""
+    import torch
+
+    tokenizer, model = _classifier(folder)
     messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
     ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     with torch.no_grad():

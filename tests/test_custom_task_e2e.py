@@ -1,7 +1,7 @@
 """Train on the user's own task end to end: a JSONL dataset with its own column names and a reward module,
 both written here into a temporary folder (neither importable from the package), with three weighted
 reward functions (a plain one, an async one read from its file path, one that always raises), a reward
-model (a tiny sequence classifier saved here: `rm:folder`) and an LLM judge (the server's own base model
+model (a tiny sequence classifier saved here: `rm:folder`) and an LLM judge (the server's own served version
 through its OpenAI API: url = 'self'), the real rollout server (vLLM) and the real DeepSpeed learner on
 SmolLM2, two steps."""
 
@@ -43,7 +43,7 @@ def broken(completion, answer, prompt, metadata):
 WEIGHTS = {"exact": 1.0, "tagged": 0.5, "broken": 0.25, "tiny-rm": 0.1, "judge": 0.2}
 JUDGE = [
     "--reward.judge.url=self",
-    "--reward.judge.model=base",
+    "--reward.judge.model=latest",  # the served version: base would switch merged weights back and forth
     "--reward.judge.rubric=Question: {prompt}\nAnswer: {completion}\nIs it {answer}? Reply yes or no.",
     "--reward.judge.max_tokens=4",
 ]

@@ -100,6 +100,14 @@ class Server:
         self.events = EventLog(state_dir / "events.jsonl")
         if hasattr(backend, "on_event"):  # an external engine's endpoints going down, up, loading versions
             backend.on_event = self.events.write
+        judge = cfg.reward.judge
+        switching = judge.url == "self" and judge.model != "latest" and cfg.server.adapter_mode == "merge"
+        if "judge" in cfg.reward.functions and switching:
+            log.warning(
+                "reward.judge.model = %r on this server: each judged batch switches the merged weights to "
+                "it (production waits); 'latest' judges with the version served at no such cost",
+                judge.model,
+            )
         host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         host = f"[{host}]" if ":" in host else host  # (an IPv6 address)
         self.rewards = RewardRunner(
