@@ -54,8 +54,8 @@ async def _evaluate(
     if cfg.env.kind == "verifiers":
         return await _evaluate_verifiers(client, cfg, version, limit)
     problems = load_problems(cfg.data, cfg.data.eval_split)[:limit]
-    token = os.environ.get(cfg.server.api_token_env, "")
-    runner = RewardRunner(cfg.reward, self_url=client.url, self_token=token)  # (a judge of url = 'self')
+    # (a judge of url = 'self' is the server this client talks to, with its token)
+    runner = RewardRunner(cfg.reward, self_url=client.url, self_token=client.token or "")
     greedy, rewards, sampled, t0 = [], [], [], time.perf_counter()
 
     episodes = cfg.env.turns

@@ -35,9 +35,10 @@ def is_reward_model(spec: str) -> bool:
 def check(spec: str) -> Path:
     """The folder `spec` names, checked to hold a sequence classifier with one output; ValueError with
     the reason otherwise."""
-    folder = Path(spec[len(PREFIX) :]).expanduser()
-    if not spec[len(PREFIX) :]:
+    named = spec[len(PREFIX) :]
+    if not named:
         raise ValueError(f"'{spec}': name the reward model's folder after 'rm:'")
+    folder = Path(named).expanduser()
     config = folder / "config.json"
     if not config.is_file():
         raise ValueError(f"'{spec}': {folder} holds no config.json (a transformers model folder)")

@@ -179,6 +179,11 @@ class RewardFunction:
     fn: Callable[..., Any]
     model: reward_models.RewardModel | None = None  # "rm:folder": scored in batches, in this process
 
+    @property
+    def in_worker(self) -> bool:
+        """Called in a reward worker process: not inline, not a reward model, not the judge."""
+        return not self.inline and self.model is None and self.spec != judge.NAME
+
 
 def _model_function(spec: str, weight: float, cfg: RewardConfig) -> RewardFunction:
     """A reward model's entry (shared/reward_models.py), checked without loading its weights."""
@@ -366,9 +371,7 @@ class RewardRunner:
         self.timeout_s = cfg.timeout_s
         self.on_failure = on_failure
         self.failures: Counter[tuple[str, str]] = Counter()
-        self._remote = [
-            f for f in self.functions if not f.inline and f.model is None and f.spec != judge.NAME
-        ]
+        self._remote = [f for f in self.functions if f.in_worker]
         self._models = [f for f in self.functions if f.model is not None]
         self._judge: judge.Judge | None = None
         if any(f.spec == judge.NAME for f in self.functions):

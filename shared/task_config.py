@@ -18,6 +18,14 @@ class ArithConfig(Section):
     size: int = Field(default=5000, ge=10, description="problems in the train split")
 
 
+def template_fields(template: str, field: str) -> list[str]:
+    """The {fields} a format string fills; ValueError naming the config `field` when it does not parse."""
+    try:
+        return [f for _, f, _, _ in Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ValueError(f"{field}: {e} (write {{{{ and }}}} for literal braces)") from None
+
+
 class ReasoningGymConfig(Section):
     task: str | None = Field(
         default=None, description="the task's name, e.g. 'basic_arithmetic', 'leg_counting'"
@@ -130,11 +138,7 @@ class DataConfig(Section):
             if self.task != name and getattr(self, name) != section():
                 raise ValueError(f"data.{name} applies to data.task = '{name}' only")
         if self.prompt_template is not None:
-            try:
-                fields = [f for _, f, _, _ in Formatter().parse(self.prompt_template) if f is not None]
-            except ValueError as e:
-                msg = f"data.prompt_template: {e} (write {{{{ and }}}} for literal braces)"
-                raise ValueError(msg) from None
+            fields = template_fields(self.prompt_template, "data.prompt_template")
             if any(not f or not f.isidentifier() for f in fields):
                 raise ValueError("data.prompt_template: every {field} must name a column, e.g. {prompt}")
             if self.task != "custom" and (other := sorted(set(fields) - {"prompt"})):
@@ -206,10 +210,7 @@ class JudgeConfig(Section):
     def _check(self) -> JudgeConfig:
         if self.range[0] >= self.range[1]:
             raise ValueError(f"reward.judge.range: {list(self.range)}: the lowest must be below the highest")
-        try:
-            fields = {f for _, f, _, _ in Formatter().parse(self.rubric) if f is not None}
-        except ValueError as e:
-            raise ValueError(f"reward.judge.rubric: {e} (write {{{{ and }}}} for literal braces)") from None
+        fields = set(template_fields(self.rubric, "reward.judge.rubric"))
         if other := sorted(fields - {"prompt", "completion", "answer"}):
             raise ValueError(
                 f"reward.judge.rubric: {{{other[0]}}}: it fills {{prompt}}, {{completion}} and {{answer}}"
