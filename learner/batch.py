@@ -14,9 +14,10 @@ from shared.protocol import ScoredGroup
 
 
 def is_stale(group: ScoredGroup, version: int, max_staleness: int, floor_version: int = 0) -> bool:
-    """Produced by a policy more than max_staleness versions older than the learner's, by a version the
-    learner has not reached (another run's), or below `floor_version` (before a resume that had to
-    re-publish its weights under a new version: see servers.sync_server)."""
+    """Started by a policy more than max_staleness versions older than the learner's (a group is as
+    stale as its oldest token: newer versions that took over mid-completion do not make it fresher), by a
+    version the learner has not reached (another run's), or below `floor_version` (before a resume that
+    had to re-publish its weights under a new version: see servers.sync_server)."""
     lag = version - group.policy_version
     return lag > max_staleness or lag < 0 or group.policy_version < floor_version
 
@@ -36,7 +37,9 @@ class Sequence:
     sampler_logprobs: list[float]
     advantage: float
     model_mask: list[int] | None = None  # None: every completion token is the model's
-    version: int = 0  # the policy version that sampled it (its group's)
+    version: int = 0  # the policy version that sampled its first token (its group's)
+    # the version that sampled each model token (shared.protocol.Completion.versions); None: all `version`
+    token_versions: list[int] | None = None
 
     @property
     def model_tokens(self) -> int:
@@ -50,10 +53,13 @@ def sequences(groups: list[ScoredGroup], grpo: GRPOConfig) -> tuple[list[Sequenc
         rewards, scale=grpo.scale_rewards, std=grpo.std, baseline=grpo.baseline, eps=grpo.eps
     )
     seqs = [
-        Sequence(g.prompt_token_ids, c.token_ids, c.logprobs, float(adv[b, i]), c.mask, g.policy_version)
+        Sequence(
+            g.prompt_token_ids, c.token_ids, c.logprobs, float(adv[b, i]), c.mask, g.policy_version,
+            None if c.versions is None else c.token_versions(g.policy_version),
+        )
         for b, g in enumerate(groups)
         for i, c in enumerate(g.completions)
-    ]
+    ]  # fmt: skip
     return seqs, adv
 
 
@@ -79,27 +85,33 @@ class MicroBatch(_Tensors):
     mask: torch.Tensor  # [n, T] 1 on the model's completion tokens: the loss's; 0 on padding, environment
     sampler_logprobs: torch.Tensor  # [n, T] at the model's tokens, 0 elsewhere
     advantages: torch.Tensor  # [n]
-    versions: torch.Tensor | None = None  # [n] the policy version that sampled each completion
+    # [n, T] the policy version that sampled each model token, -1 on environment tokens and padding
+    versions: torch.Tensor | None = None
 
 
-def _per_completion(batch: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _per_completion(batch: list[Sequence]) -> tuple[torch.Tensor, ...]:
     """(tokens [n, T]: 1 on every completion token; mask [n, T]: 1 on the model's; sampler log-probs
-    [n, T] at the model's tokens; advantages [n]), right-padded to the longest completion."""
+    [n, T] at the model's tokens; advantages [n]; versions [n, T] at the model's tokens, -1 elsewhere),
+    right-padded to the longest completion."""
     T = max(len(s.completion) for s in batch)
     tokens = torch.zeros((len(batch), T), dtype=torch.float32)
     mask = torch.zeros((len(batch), T), dtype=torch.float32)
     sampler = torch.zeros((len(batch), T), dtype=torch.float32)
+    versions = torch.full((len(batch), T), -1, dtype=torch.long)
     for i, s in enumerate(batch):
         C = len(s.completion)
         tokens[i, :C] = 1.0
         mask[i, :C] = 1.0 if s.model_mask is None else torch.tensor(s.model_mask, dtype=torch.float32)
-        sampler[i, :C][mask[i, :C].bool()] = torch.tensor(s.sampler_logprobs)
-    return tokens, mask, sampler, torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+        model = mask[i, :C].bool()
+        sampler[i, :C][model] = torch.tensor(s.sampler_logprobs)
+        versions[i, :C][model] = torch.tensor(s.token_versions or [s.version] * s.model_tokens)
+    advantages = torch.tensor([s.advantage for s in batch], dtype=torch.float32)
+    return tokens, mask, sampler, advantages, versions
 
 
 def collate(batch: list[Sequence], pad_id: int) -> MicroBatch:
     L = max(len(s.prompt) + len(s.completion) for s in batch)
-    _, mask, sampler, advantages = _per_completion(batch)
+    _, mask, sampler, advantages, versions = _per_completion(batch)
     n, T = mask.shape
     input_ids = torch.full((n, L), pad_id, dtype=torch.long)
     attention = torch.zeros((n, L), dtype=torch.long)
@@ -113,7 +125,6 @@ def collate(batch: list[Sequence], pad_id: int) -> MicroBatch:
         positions[i, : len(s.completion)] = torch.arange(
             len(s.prompt) - 1, len(s.prompt) - 1 + len(s.completion)
         )
-    versions = torch.tensor([s.version for s in batch], dtype=torch.long)
     return MicroBatch(input_ids, attention, positions, mask, sampler, advantages, versions)
 
 
@@ -136,7 +147,7 @@ class PackedBatch(_Tensors):
     advantages: torch.Tensor  # [n]
     # per row: (start, end) of the prompt, then of each completion, back to back (learner/attention.py)
     layout: list[list[tuple[int, int]]] = field(default_factory=list)
-    versions: torch.Tensor | None = None  # [n] as MicroBatch
+    versions: torch.Tensor | None = None  # [n, T] as MicroBatch
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """[R, 1, L, L]: 0 where attended, the dtype's minimum elsewhere (eager and SDPA both add it)."""
@@ -182,7 +193,8 @@ def pack(batch: list[Sequence], pad_id: int) -> PackedBatch:
     where = torch.searchsorted(keep, torch.tensor([p for _, p in predictors], dtype=torch.long))
     rows = torch.tensor([r for r, _ in predictors], dtype=torch.long) * len(keep) + where
     targets = torch.tensor([t for s in batch for t in s.completion], dtype=torch.long)
-    packed = PackedBatch(input_ids, position_ids, allowed, keep, rows, targets, *_per_completion(batch))
-    packed.layout = layout
-    packed.versions = torch.tensor([s.version for s in batch], dtype=torch.long)
-    return packed
+    tokens, mask, sampler, advantages, versions = _per_completion(batch)
+    return PackedBatch(
+        input_ids, position_ids, allowed, keep, rows, targets,
+        tokens, mask, sampler, advantages, layout, versions,
+    )  # fmt: skip

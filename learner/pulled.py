@@ -29,6 +29,8 @@ def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
         [c.num_model_tokens for g in pulled.groups for c in g.completions], dtype=torch.float32
     )
     truncated = [c.finish_reason == "length" for g in pulled.groups for c in g.completions]
+    # staleness per model token (an in-flight update makes a completion's later tokens newer than its first)
+    lags = torch.tensor([lag for g in pulled.groups for lag in g.token_lags(version)], dtype=torch.float32)
     tokens = float(lengths.sum())
     by_function: dict[str, list[float]] = {}
     for c in (c for g in pulled.groups for c in g.completions):
@@ -47,7 +49,10 @@ def batch_metrics(pulled: Pulled, version: int) -> dict[str, float]:
         "groups/degenerate_dropped": float(pulled.dropped_degenerate),
         "completion/length": float(lengths.mean()),
         "completion/truncated": sum(truncated) / len(truncated),
+        # the groups' oldest tokens' lag (what learner.max_staleness bounds), and every token's
         "policy/version_lag": sum(version - g.policy_version for g in pulled.groups) / len(pulled.groups),
+        "policy/token_lag": float(lags.mean()),
+        "policy/token_lag_p95": float(lags.quantile(0.95)),
         "perf/rollout_tok_s": tokens / max(pulled.seconds, 1e-9),
         "perf/pull_s": pulled.seconds,
     }

@@ -59,8 +59,8 @@ def micro_loss(
 ):
     """One micro-batch's share of the step's GRPO loss (global normalisers), with its metrics: token
     means over its completion tokens (policy entropy among them) and their count under "tokens".
-    `version`: the policy version of the weights this step starts from; the completions that version
-    sampled give "served/gap_sum" and "served/tokens", |log π - log π_sampler| summed over their tokens
+    `version`: the policy version of the weights this step starts from; the tokens that version sampled
+    give "served/gap_sum" and "served/tokens", |log π - log π_sampler| summed over their tokens
     (the served-policy check: both are the same weights' log-probs, so they differ by the kernels only)."""
     g, lc, temperature = cfg.grpo, cfg.learner, cfg.sampling.temperature
     module = getattr(engine, "module", engine)
@@ -79,7 +79,7 @@ def micro_loss(
     loss, m = loss_of(x, g, max_tokens=cfg.sampling.max_new_tokens)
     m["policy/entropy"] = float((entropy * b.mask).sum() / max(m["tokens"], 1.0))
     if version is not None:
-        on = b.mask * (b.versions == version).to(b.mask.dtype)[:, None]
+        on = b.mask * (b.versions == version).to(b.mask.dtype)  # the tokens this version sampled
         m["served/gap_sum"] = float(((logprobs.detach() - b.sampler_logprobs).abs() * on).sum())
         m["served/tokens"] = float(on.sum())
     return loss, m

@@ -8,11 +8,14 @@ is refused at whichever end receives it.
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PROTOCOL_VERSION = "6"  # 6: production can be paused (/v1/production/*, Health.paused, PullResponse.paused)
+# 6: production can be paused (/v1/production/*, Health.paused, PullResponse.paused)
+# 7: Completion.versions, the version that sampled each of a completion's tokens
+PROTOCOL_VERSION = "7"
 
 MAX_VERSION = 2**31 - 1  # versions are engine adapter ids (int32 in vLLM) and file names
 Version = Annotated[
@@ -69,6 +72,13 @@ class Completion(_Model):
     reward: float  # what the learner trains on: the weighted sum of `rewards`
     rewards: dict[str, float] = Field(default={}, description="each reward function's own value, by name")
     finish_reason: Literal["stop", "length"]
+    versions: list[tuple[int, Version]] | None = Field(
+        default=None,
+        description="where each policy version's tokens begin when a new version took over mid-completion "
+        "(an in-flight weight update): [model-token index, version] pairs, the first at index 0 with the "
+        "group's policy_version, both increasing; indices count the model's tokens only (environment "
+        "tokens are unversioned). None: every token from the group's policy_version",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> Completion:
@@ -86,7 +96,22 @@ class Completion(_Model):
         for t, lp in enumerate(self.logprobs):  # finite: no field of the protocol takes NaN or inf
             if lp > 0.0:
                 raise ValueError(f"logprobs[{t}] = {lp}: a logprob must be <= 0")
+        if self.versions is not None:
+            starts = [i for i, _ in self.versions]
+            if not self.versions or starts[0] != 0:
+                raise ValueError("versions must start at model token 0")
+            if starts[-1] >= model_tokens or any(a >= b for a, b in pairwise(starts)):
+                raise ValueError(f"versions' token indices must increase and stay below {model_tokens}")
+            if any(a >= b for (_, a), (_, b) in pairwise(self.versions)):
+                raise ValueError("versions must increase: a later token never comes from an older version")
         return self
+
+    def token_versions(self, version: int) -> list[int]:
+        """The version that sampled each model token; `version` (the group's) when `versions` is None."""
+        if self.versions is None:
+            return [version] * self.num_model_tokens
+        ends = [i for i, _ in self.versions[1:]] + [self.num_model_tokens]
+        return [v for (start, v), end in zip(self.versions, ends, strict=True) for _ in range(end - start)]
 
     @property
     def num_model_tokens(self) -> int:
@@ -99,7 +124,9 @@ class Completion(_Model):
 
 
 class ScoredGroup(_Model):
-    """G completions of one prompt, produced by one policy version."""
+    """G completions of one prompt, started by one policy version: `policy_version` sampled each
+    completion's first token, the oldest of the group's tokens. With in-flight weight updates a newer
+    version may take over mid-completion (Completion.versions)."""
 
     group_id: str = Field(min_length=1)
     prompt_id: str = Field(min_length=1)
@@ -108,9 +135,24 @@ class ScoredGroup(_Model):
     policy_version: Version
     completions: list[Completion] = Field(min_length=2)
 
+    @model_validator(mode="after")
+    def _check_versions(self) -> ScoredGroup:
+        for i, c in enumerate(self.completions):
+            if c.versions is not None and c.versions[0][1] != self.policy_version:
+                raise ValueError(
+                    f"completion {i}'s first token is from v{c.versions[0][1]}, not the group's "
+                    f"policy_version v{self.policy_version}"
+                )
+        return self
+
     @property
     def rewards(self) -> list[float]:
         return [c.reward for c in self.completions]
+
+    def token_lags(self, version: int) -> list[int]:
+        """How many versions behind `version` each model token of the group is, completion after
+        completion (its staleness per token; the group's oldest token is `version - policy_version`)."""
+        return [version - v for c in self.completions for v in c.token_versions(self.policy_version)]
 
 
 class PullRequest(_Model):

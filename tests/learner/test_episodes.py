@@ -3,6 +3,9 @@ paths (plain and shared-prompt) are checked against a loss written out here from
 log-probs, so a mask that lets environment tokens into the loss, or sampler log-probs put at the wrong
 tokens, fails."""
 
+import math
+
+import pytest
 import torch
 
 from learner.batch import Sequence, collate, pack, sequences
@@ -86,3 +89,35 @@ def test_environment_tokens_are_context_scored_nowhere_on_both_paths():
             got = dict(model.named_parameters())[name].grad
             assert want.abs().max() > 0, f"{name}: zero gradient, the comparison would prove nothing"
             torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4, msg=f"{batch.__name__}: {name}")
+
+
+def test_a_completion_sampled_half_by_v_and_half_by_v_plus_1_is_corrected_per_token():
+    """Decoupled PPO with TIS on a completion whose first two tokens v3 sampled and the last two v4 (an
+    in-flight update), trained by the learner at v4 (π_old recomputed = π_θ at v4, so ρ = 1 in value).
+    The v3 tokens' sampler probabilities differ from v4's: token 0 at π_old/π_sampler = 2 (truncated to
+    the cap 1.5), token 1 at 0.5; the v4 tokens are v4's own, weight 1. A = +1, one sequence, mean over
+    its 4 tokens: objective (1.5 + 0.5 + 1 + 1) / 4 = 1.0, loss -1.0; the served-policy check reads only
+    the two v4 tokens, whose gap is 0 (over all four it would be ln 2 / 2)."""
+    model = _peft(_tiny("llama", "sdpa"))
+    cfg = _cfg(0.0, "seq_mean_token_mean", ("grpo.old_logprobs=recompute", "grpo.tis_cap=1.5"))
+    T = cfg.sampling.temperature
+    c = Completion(
+        token_ids=[11, 12, 13, 14], logprobs=[-1.0] * 4, text="", reward=1.0, finish_reason="stop",
+        versions=[(0, 3), (2, 4)],
+    )  # fmt: skip
+    g = ScoredGroup(
+        group_id="g", prompt_id="p", prompt_token_ids=[5, 6, 7], answer="", policy_version=3,
+        completions=[c, c.model_copy(update={"reward": 0.0})],
+    )  # fmt: skip
+    s = sequences([g], cfg.grpo)[0][0]
+    assert (s.version, s.token_versions) == (3, [3, 3, 4, 4]) and s.advantage == pytest.approx(1.0, abs=1e-5)
+    s.advantage = 1.0  # exactly (the group's std has eps added)
+    with torch.no_grad():
+        own = _model_logprobs(model, Sequence(s.prompt, s.completion, [], 1.0, [1, 1, 1, 1]), T)
+    s.sampler_logprobs = (own + torch.tensor([-math.log(2), math.log(2), 0.0, 0.0])).tolist()
+    for batch in (collate, pack):
+        loss, m = micro_loss(model, batch([s], pad_id=0), cfg, 1, 4, version=4)
+        torch.testing.assert_close(loss.item(), -1.0, atol=1e-5, rtol=0)
+        assert m["is/weight_max"] == pytest.approx(1.5) and m["is/truncated"] == pytest.approx(0.25)
+        assert m["served/tokens"] == 2.0  # v4's two tokens, not the completion's four, not none
+        assert m["served/gap_sum"] == pytest.approx(0.0, abs=1e-5)

@@ -1,5 +1,5 @@
 """The served-policy check (learner/train.py): a step whose groups of the learner's own version carry
-sampler log-probs far from the learner's stops the run; the batch carries each completion's version."""
+sampler log-probs far from the learner's stops the run; the batch carries each model token's version."""
 
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ def test_only_a_gap_past_the_bound_on_enough_tokens_of_the_version_stops_the_run
     assert served_policy_error(wrong, 0.0, 4, ["s"]) is None  # learner.served_policy_max_gap = 0: off
 
 
-def test_both_batch_layouts_carry_each_completion_s_version():
+def test_both_batch_layouts_carry_each_model_token_s_version():
     seqs = [
         Sequence([1, 2], [3, 4], [-0.1, -0.2], 1.0, version=3),
         Sequence([1, 2], [5], [-0.3], -1.0, version=3),
-        Sequence([7], [8, 9], [-0.1, -0.1], 0.5, version=2),
+        # an episode: model [8], environment [9], model [10, 11]; v2 sampled [8], v3 took over at [10]
+        Sequence([7], [8, 9, 10, 11], [-0.1, -0.1, -0.2], 0.5, [1, 0, 1, 1], 2, token_versions=[2, 3, 3]),
     ]
-    assert collate(seqs, 0).versions.tolist() == [3, 3, 2]
-    assert pack(seqs, 0).versions.tolist() == [3, 3, 2]
+    expected = [[3, 3, -1, -1], [3, -1, -1, -1], [2, -1, 3, 3]]  # -1: padding and the environment's tokens
+    assert collate(seqs, 0).versions.tolist() == expected
+    assert pack(seqs, 0).versions.tolist() == expected

@@ -3,6 +3,8 @@ step metrics batch_metrics computes (learner/pulled.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from learner.metrics import NO_SIGNAL_STEPS, SignalWatch
 from learner.pulled import Pulled, batch_metrics
 from shared import protocol as P
@@ -75,3 +77,17 @@ def test_batch_metrics_count_the_groups_of_one_and_the_same_completion():
     half_way = _group([[5], [5, 6]], [0.0, 0.0])  # alike in reward, not in tokens
     m = batch_metrics(Pulled([same, apart, half_way], [], seen=3, degenerate=2), version=0)
     assert m["groups/identical"] == 1 / 3 and m["groups/degenerate"] == 2 / 3
+
+
+def test_staleness_is_reported_per_group_by_its_oldest_token_and_per_token():
+    # The learner at v5. Group A, v5 throughout (2 + 2 tokens); group B started by v2, its second
+    # completion taken over by v4 at its token 1 (tokens: v2 v2 | v2 v4 v4).
+    a = _group([[5, 6], [5, 7]], [1.0, 0.0])
+    b = _group([[5, 6], [5, 7, 8]], [1.0, 0.0])
+    a = a.model_copy(update={"policy_version": 5})
+    late = b.completions[1].model_copy(update={"versions": [(0, 2), (1, 4)]})
+    b = b.model_copy(update={"policy_version": 2, "completions": [b.completions[0], late]})
+    m = batch_metrics(Pulled([a, b], [], seen=2), version=5)
+    assert m["policy/version_lag"] == (0 + 3) / 2  # by oldest token: what max_staleness bounds
+    # per token: 0, 0, 0, 0 | 3, 3 | 3, 1, 1 -> mean 11 / 9; the 95th percentile is 3
+    assert m["policy/token_lag"] == pytest.approx(11 / 9) and m["policy/token_lag_p95"] == 3.0

@@ -30,10 +30,15 @@ EPISODE = dict(  # model [5, 6], environment [7, 8, 9], model [10, 2]
     token_ids=[5, 6, 7, 8, 9, 10, 2], mask=[1, 1, 0, 0, 0, 1, 1], logprobs=[-0.5, -1.0, -0.25, 0.0]
 )
 
+# An episode whose model tokens 0-1 came from v3 and 2-3 (its second turn) from v4.
+SPANNING = EPISODE | dict(versions=[(0, 3), (2, 4)])
+
 EXAMPLES = [
     _completion(),
     _completion(**EPISODE),
+    _completion(**SPANNING),
     _group(),
+    _group(completions=[_completion(**SPANNING), _completion(versions=[(0, 3), (1, 5)])]),
     P.PullRequest(max_groups=4, wait_s=1.5),
     P.PullResponse(lease_id="abc", lease_s=30.0, groups=[_group()]),
     P.PullResponse(lease_id=None, lease_s=0.0, groups=[]),
@@ -94,6 +99,14 @@ def test_a_learner_refuses_a_server_of_another_protocol_version():
         (dict(token_ids=[]), "at least 1 item"),
         (dict(token_ids=[-1, 2, 3]), "greater than or equal to 0"),
         (dict(finish_reason="abort"), "'stop' or 'length'"),
+        (dict(versions=[]), "start at model token 0"),
+        (dict(versions=[(1, 3)]), "start at model token 0"),
+        (dict(versions=[(0, 3), (3, 4)]), "stay below 3"),  # 3 model tokens: indices 0-2
+        (EPISODE | dict(versions=[(0, 3), (4, 4)]), "stay below 4"),  # indices count model tokens only
+        (dict(versions=[(0, 3), (2, 4), (1, 5)]), "indices must increase"),
+        (dict(versions=[(0, 3), (1, 3)]), "versions must increase"),
+        (dict(versions=[(0, 4), (1, 3)]), "versions must increase"),
+        (dict(versions=[(0, -1)]), "greater than or equal to 0"),
     ],
 )
 def test_invalid_completion_is_rejected_with_a_message(kw, message):
@@ -106,6 +119,20 @@ def test_group_needs_two_completions_and_a_nonnegative_version():
         _group(completions=[_completion()])
     with pytest.raises(ValidationError, match="greater than or equal to 0"):
         _group(policy_version=-1)
+
+
+def test_a_completions_first_version_is_its_groups():
+    with pytest.raises(ValidationError, match="completion 1's first token is from v2, not the group's .* v3"):
+        _group(completions=[_completion(), _completion(versions=[(0, 2), (1, 3)])])
+
+
+def test_each_model_token_knows_its_version_and_its_lag():
+    spanning = _completion(**SPANNING)
+    assert spanning.token_versions(3) == [3, 3, 4, 4]  # the environment's 3 tokens have none
+    assert _completion(versions=[(0, 3), (1, 5)]).token_versions(3) == [3, 5, 5]
+    assert _completion().token_versions(3) == [3, 3, 3]  # no boundaries: all the group's
+    group = _group(completions=[spanning, _completion()])
+    assert group.token_lags(5) == [2, 2, 1, 1, 2, 2, 2]
 
 
 def test_invalid_json_payloads_are_rejected():
