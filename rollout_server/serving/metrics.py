@@ -24,7 +24,9 @@ class ServerMetrics:
         )
         self.completions = Counter("tandem_completions", "completions generated", registry=r)
         self.tokens = Counter("tandem_completion_tokens", "completion tokens generated", registry=r)
-        self.reward = Counter("tandem_reward_sum", "sum of completion rewards", registry=r)
+        self.reward = Gauge(  # a gauge: length shaping makes rewards negative, and a counter cannot go down
+            "tandem_reward_sum", "sum of completion rewards", registry=r
+        )
         self.function_reward = Gauge(  # a gauge: a reward may be negative, and a counter cannot go down
             "tandem_reward_function_sum", "sum of each reward function's values", ["function"], registry=r
         )
@@ -42,6 +44,11 @@ class ServerMetrics:
             registry=r,
         )
         self.groups_invalid = Counter("tandem_groups_invalid", "groups dropped: unusable sample", registry=r)
+        self.samples_continued = Counter(
+            "tandem_samples_continued",
+            "samples interrupted by a publish and continued under the new version (server.inflight_updates)",
+            registry=r,
+        )
         self.generate_s = Histogram(
             "tandem_generate_seconds",
             "wall time of one generation batch",

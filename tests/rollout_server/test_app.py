@@ -474,3 +474,16 @@ def test_a_release_by_request_id_also_stops_the_pull_still_waiting_under_it(tmp_
             time.sleep(0.01)
         again = c.post("/v1/groups/pull", json={**body, "wait_s": 0}).json()  # a late retry of it
         assert again["groups"] == [] and c.get("/health").json()["leased"] == 0
+
+
+def test_negative_rewards_are_summed_not_refused(tmp_path):
+    """A length penalty makes rewards negative: the reward sum goes down (a Prometheus counter, which it
+    once was, raised instead and stopped production)."""
+    app = fake_app(tmp_path, FakeBackend(), sampling={"max_new_tokens": 2}, reward={"length_penalty": 5.0})
+    with TestClient(app) as c:
+        (group,) = _pull(c, 1)["groups"]
+        # each completion is 1 of 2 tokens: 5 x 1/2 = 2.5 off its 1 or 0: -1.5, -2.5, -1.5, -2.5
+        assert [x["reward"] for x in group["completions"]] == [-1.5, -2.5, -1.5, -2.5]
+        c.post("/v1/production/pause")
+        produced = _metric(c, "tandem_groups_produced_total")
+        assert _metric(c, "tandem_reward_sum") == -8.0 * produced
