@@ -1,7 +1,9 @@
-"""Lockstep against continuous production on the real engine, side by side in one process.
+"""Lockstep against continuous production (and in-flight weight updates) on the real engine, side by side
+in one process.
 
     .venv/bin/python scripts/bench_streaming.py [--seconds 150] [--rounds 2] [--max-tokens 256]
-        [--prompts 4] [--group-size 8] [--modes lockstep,continuous] [--set K=V ...]
+        [--prompts 4] [--group-size 8] [--modes lockstep,continuous[,inflight]] [--publish-every S]
+        [--set K=V ...]
 
 One vLLM engine (the config's, merged weights, `--prompts` x G slots: server.vllm.max_num_seqs), built once;
 for each mode in turn (alternating, `--rounds` times), a producer on a fresh state folder feeds a queue that
@@ -13,6 +15,14 @@ which is what the tail costs lockstep. Prints, per mode: engine tokens/s
 (completion tokens of the groups queued in the window), the fraction of the window in which fewer than half
 of the slots were decoding and the slots busy on average (vLLM's unfinished requests up to the slots,
 sampled every 50 ms), groups/min, and the ratio.
+
+`--publish-every S` publishes a new version every S seconds during each window (a learner that steps that
+often; the same random LoRA weights under each new version number), and each mode's tokens are then also
+measured for staleness: per token, the version served when its group was queued less the version that
+sampled it (mean and 95th percentile). Mode `inflight` is continuous production with
+server.inflight_updates = "continue" (a publish moves the samples in flight to the new version); it needs
+LoRA adapters in the engine, so with it every mode runs on one engine in LoRA mode (vLLM's LoRA path: ~1/3
+of the merged weights' speed on CPU), and without it on merged weights as before.
 Numbers and the machine: docs/benchmarks.md.
 """
 
@@ -38,7 +48,10 @@ async def one_window(mode: str, backend, problems, args, work: Path) -> dict:
     from rollout_server.serving.app import Server
 
     overrides = [
-        f"server.production={mode}",
+        f"server.production={'lockstep' if mode == 'lockstep' else 'continuous'}",
+        f"server.inflight_updates={'continue' if mode == 'inflight' else 'off'}",
+        f"server.adapter_mode={'lora' if 'inflight' in args.modes else 'merge'}",
+        "server.max_loras=4",  # the versions a group in flight may hold while newer ones are published
         f"server.prompts_per_batch={args.prompts}",
         f"server.queue_size={4 * args.prompts}",
         f"server.state_dir={work}",
@@ -53,6 +66,7 @@ async def one_window(mode: str, backend, problems, args, work: Path) -> dict:
     producer, queue = server.producer, server.queue
     slots = args.prompts * args.group_size
     state = {"tokens": 0, "groups": 0, "counting": False}
+    lags: list[int] = []  # per token: the version served when its group was queued, less its own
 
     async def consume():
         while True:
@@ -63,6 +77,17 @@ async def one_window(mode: str, backend, problems, args, work: Path) -> dict:
             if state["counting"]:
                 state["groups"] += len(groups)
                 state["tokens"] += sum(len(c.token_ids) for g in groups for c in g.completions)
+                for g in groups:
+                    lags.extend(g.token_lags(server.policy.version))
+
+    async def publish():
+        config, weights = (args.adapter / f for f in ("adapter_config.json", "adapter_model.safetensors"))
+        while True:
+            await asyncio.sleep(args.publish_every)
+            version = server.policy.version + 1
+            await server.policy.publish(
+                version, lambda v: server.store.write(v, config.read_bytes(), weights.read_bytes())
+            )
 
     busy = []
 
@@ -77,12 +102,13 @@ async def one_window(mode: str, backend, problems, args, work: Path) -> dict:
     while not queue.acked_total:  # warm-up: the first group through
         await asyncio.sleep(0.1)
     sampler = asyncio.create_task(sample_slots())
+    publisher = asyncio.create_task(publish() if args.publish_every else asyncio.sleep(0))
     state["counting"], t0 = True, time.perf_counter()
     await asyncio.sleep(args.seconds)
     state["counting"], elapsed = False, time.perf_counter() - t0
-    for task in (sampler, drain, run):
+    for task in (publisher, sampler, drain, run):
         task.cancel()
-    await asyncio.gather(sampler, drain, run, return_exceptions=True)
+    await asyncio.gather(publisher, sampler, drain, run, return_exceptions=True)
     await producer.stop()
     server.journal.close()
     return {
@@ -90,18 +116,27 @@ async def one_window(mode: str, backend, problems, args, work: Path) -> dict:
         "groups_s": state["groups"] / elapsed,
         "underused": sum(b < slots / 2 for b in busy) / max(len(busy), 1),
         "busy": statistics.mean(busy) if busy else 0.0,
+        "lag": statistics.mean(lags) if lags else 0.0,
+        "lag_p95": sorted(lags)[int(0.95 * (len(lags) - 1))] if lags else 0,
+        "continued": server.metrics.samples_continued._value.get(),
     }
 
 
 async def bench(args) -> dict[str, list[dict]]:
     from rollout_server.serving.serve import make_backend
 
-    slots = f"server.vllm.max_num_seqs={args.prompts * args.group_size}"  # the same engine batch for both
-    cfg = load_config(args.config, ["server.backend=vllm", "server.adapter_mode=merge", slots, *args.set])
+    slots = f"server.vllm.max_num_seqs={args.prompts * args.group_size}"  # the same engine batch for all
+    mode = "lora" if "inflight" in args.modes else "merge"
+    cfg = load_config(args.config, ["server.backend=vllm", f"server.adapter_mode={mode}", slots, *args.set])
     backend = await make_backend(cfg, resolve_model(cfg.model.name))
     problems = load_gsm8k("train", args.gsm8k)
     results: dict[str, list[dict]] = {m: [] for m in args.modes}
     with tempfile.TemporaryDirectory(prefix="tandem-bench-streaming-") as work:
+        if args.publish_every:
+            from harness.adapters import random_adapter
+
+            model, folder = resolve_model(cfg.model.name), Path(work) / "adapter"
+            args.adapter = random_adapter(model, folder, r=cfg.lora.r, scale=0.01)
         for r in range(args.rounds):
             for mode in args.modes:
                 print(f"[round {r + 1}/{args.rounds}] {mode}: {args.seconds:.0f} s ...", flush=True)
@@ -110,9 +145,11 @@ async def bench(args) -> dict[str, list[dict]]:
                 print(
                     f"  {out['tok_s']:.1f} tok/s, {out['groups_s'] * 60:.1f} groups/min, "
                     f"{100 * out['underused']:.0f} % of the time < half the slots busy, {out['busy']:.1f} of "
-                    f"{args.prompts * args.group_size} busy on average",
+                    f"{args.prompts * args.group_size} busy on average"
+                    + (f", token lag {out['lag']:.2f} (p95 {out['lag_p95']}), {out['continued']:.0f} samples "
+                       "continued" if args.publish_every else ""),
                     flush=True,
-                )
+                )  # fmt: skip
     await backend.close()
     return results
 
@@ -127,19 +164,29 @@ def main() -> int:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--modes", default="lockstep,continuous", type=lambda s: s.split(","))
+    p.add_argument("--publish-every", type=float, default=0.0, help="seconds between publishes (0: none)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = p.parse_args()
-    if unknown := set(args.modes) - {"lockstep", "continuous"}:
-        p.error(f"unknown mode(s) {sorted(unknown)}: lockstep, continuous")
+    if unknown := set(args.modes) - {"lockstep", "continuous", "inflight"}:
+        p.error(f"unknown mode(s) {sorted(unknown)}: lockstep, continuous, inflight")
+    if "inflight" in args.modes and not args.publish_every:
+        p.error("mode inflight moves samples to each newly published version: give --publish-every")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     results = asyncio.run(bench(args))
-    print(f"\nmode        tok/s  groups/min  < half busy   ({args.prompts} x G={args.group_size} in flight, "
-          f"<= {args.max_tokens} tokens, {args.rounds} x {args.seconds:.0f} s each)")  # fmt: skip
+    engine = "LoRA adapters" if "inflight" in args.modes else "merged weights"
+    published = f", a version every {args.publish_every:g} s" if args.publish_every else ""
+    print(f"\nmode        tok/s  groups/min  < half busy  token lag (p95)  ({args.prompts} x "
+          f"G={args.group_size} in flight, <= {args.max_tokens} tokens, {engine}{published}, "
+          f"{args.rounds} x {args.seconds:.0f} s each)")  # fmt: skip
     mean = {m: {k: statistics.mean(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
     for m, v in mean.items():
-        print(f"{m:<10} {v['tok_s']:7.1f}  {60 * v['groups_s']:10.1f}  {100 * v['underused']:10.0f} %")
-    if {"lockstep", "continuous"} <= mean.keys():
-        print(f"continuous / lockstep: {mean['continuous']['tok_s'] / mean['lockstep']['tok_s']:.2f}x tok/s")
+        print(
+            f"{m:<10} {v['tok_s']:7.1f}  {60 * v['groups_s']:10.1f}  {100 * v['underused']:10.0f} %"
+            f"  {v['lag']:9.2f} ({v['lag_p95']:.0f})"
+        )
+    for m in ("continuous", "inflight"):
+        if {"lockstep", m} <= mean.keys():
+            print(f"{m} / lockstep: {mean[m]['tok_s'] / mean['lockstep']['tok_s']:.2f}x tok/s")  # fmt: skip
     return 0
 
 

@@ -155,6 +155,11 @@ class TandemConfig(Section):
                 f"reward.overlong_buffer={self.reward.overlong_buffer} is longer than "
                 f"sampling.max_new_tokens={self.sampling.max_new_tokens}: it counts the tokens before the cap"
             )
+        if self.server.inflight_updates == "continue" and self.env.kind != "single_turn":
+            raise ValueError(
+                f"server.inflight_updates = 'continue' continues single-turn samples; env.kind = "
+                f"{self.env.kind!r} plays episodes, each under one version: use 'off'"
+            )
         urls = self.learner.server_urls
         if len(set(urls)) != len(urls):
             raise ValueError("learner.server_urls lists a server twice")

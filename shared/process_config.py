@@ -137,6 +137,14 @@ class ServerConfig(Section):
         "'continuous': each group started, scored and queued on its own, up to max_inflight_groups at "
         "once, so the engine never waits for a batch's slowest completion",
     )
+    inflight_updates: Literal["off", "continue", "keep"] = Field(
+        default="off",
+        description="what a publish does to the samples in flight (continuous production): 'off': each "
+        "group sampled by the version served when it started; 'continue': unfinished samples are "
+        "interrupted and continued under the new version from their prompt and the tokens sampled so far "
+        "(each token stamped with its version: adapter_mode 'lora' or the hf backend); 'keep' (vLLM "
+        "pausing with its KV cache across a merged-weights switch) is not built yet",
+    )
     max_inflight_groups: int | None = Field(
         default=None,
         ge=1,
@@ -218,6 +226,29 @@ class ServerConfig(Section):
 
     @model_validator(mode="after")
     def _external_engine(self) -> ServerConfig:
+        updates = self.inflight_updates
+        if updates == "keep":
+            raise ValueError(
+                "server.inflight_updates = 'keep' (a vLLM engine paused with its KV cache across a "
+                "merged-weights switch) is not built yet: use 'continue' with server.adapter_mode = 'lora', "
+                "or 'off'"
+            )
+        if updates == "continue" and self.production != "continuous":
+            raise ValueError(
+                "server.inflight_updates = 'continue' updates the groups in flight of continuous production: "
+                "set server.production = 'continuous' (lockstep holds one version a batch), or use 'off'"
+            )
+        if updates == "continue" and self.backend == "vllm" and self.adapter_mode == "merge":
+            raise ValueError(
+                "server.inflight_updates = 'continue' runs each version's samples beside the others' as LoRA "
+                "adapters; merged weights hold one version at a time: set server.adapter_mode = 'lora', or "
+                "use 'off'"
+            )
+        if updates == "continue" and self.backend == "openai":
+            raise ValueError(
+                "server.inflight_updates = 'continue' is not built for an external engine "
+                "(server.backend = 'openai') yet: use 'off'"
+            )
         if self.backend == "openai":
             if not self.openai.endpoints:
                 raise ValueError(

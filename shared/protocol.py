@@ -75,9 +75,9 @@ class Completion(_Model):
     versions: list[tuple[int, Version]] | None = Field(
         default=None,
         description="where each policy version's tokens begin when a new version took over mid-completion "
-        "(an in-flight weight update): [model-token index, version] pairs, the first at index 0 with the "
-        "group's policy_version, both increasing; indices count the model's tokens only (environment "
-        "tokens are unversioned). None: every token from the group's policy_version",
+        "(an in-flight weight update): [model-token index, version] pairs, the first at index 0, both "
+        "increasing, no version older than the group's policy_version; indices count the model's tokens "
+        "only (environment tokens are unversioned). None: every token from the group's policy_version",
     )
 
     @model_validator(mode="after")
@@ -124,9 +124,9 @@ class Completion(_Model):
 
 
 class ScoredGroup(_Model):
-    """G completions of one prompt, started by one policy version: `policy_version` sampled each
-    completion's first token, the oldest of the group's tokens. With in-flight weight updates a newer
-    version may take over mid-completion (Completion.versions)."""
+    """G completions of one prompt. `policy_version` is the version that sampled the group's oldest token:
+    every token when no completion says otherwise; with in-flight weight updates newer versions take over
+    mid-completion (Completion.versions)."""
 
     group_id: str = Field(min_length=1)
     prompt_id: str = Field(min_length=1)
@@ -138,10 +138,10 @@ class ScoredGroup(_Model):
     @model_validator(mode="after")
     def _check_versions(self) -> ScoredGroup:
         for i, c in enumerate(self.completions):
-            if c.versions is not None and c.versions[0][1] != self.policy_version:
+            if c.versions is not None and c.versions[0][1] < self.policy_version:
                 raise ValueError(
-                    f"completion {i}'s first token is from v{c.versions[0][1]}, not the group's "
-                    f"policy_version v{self.policy_version}"
+                    f"completion {i}'s first token is from v{c.versions[0][1]}, older than the group's "
+                    f"policy_version v{self.policy_version} (the version of its oldest token)"
                 )
         return self
 

@@ -41,7 +41,15 @@ class FakeBackend:
     that each call waits for (the test sets it to let the batch finish). unusable: (prompt token ids,
     "empty" | "nan"): that prompt's first sample comes back with no tokens or with a NaN logprob. cut: the
     sample of each prompt with this index stops at max_tokens (finish_reason "length").
+
+    With generate's `interrupt` (in-flight updates) a sample is SAMPLE_TOKENS tokens (at most max_tokens)
+    of id 20 + v, logprob -0.5 - 0.1 v (v: the adapter version), ending "stop" with the text above: the
+    first `hold_after` at once, the rest once `release` is set; an interrupt before that returns the
+    samples as far as they got ("interrupted"). Each such call's (prompt, n, max_tokens, v) is in
+    `interruptible`.
     """
+
+    SAMPLE_TOKENS = 4
 
     name = "fake"
     one_version = False  # a test sets it to act as vLLM's merge mode
@@ -65,8 +73,12 @@ class FakeBackend:
         self.fail_after, self.delay_s, self.abort_first = fail_after, delay_s, abort_first
         self.release, self.unusable, self.cut = release, unusable, cut
         self.started = asyncio.Event()  # set when a generate call begins
+        self.hold_after = 2
+        self.interruptible: list[tuple[list[int], int, int, int]] = []
 
-    async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True):
+    async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True, interrupt=None):
+        if interrupt is not None:
+            return await self._interruptible(prompts, n, max_tokens, adapter, interrupt)
         self.calls.append((len(prompts), n))
         self.adapters.append(adapter.version if adapter else 0)
         self.started.set()
@@ -89,6 +101,26 @@ class FakeBackend:
                     else Sample([7], [math.nan], "#### 3", "stop")
                 )
         return out
+
+    async def _interruptible(self, prompts, n, max_tokens, adapter, interrupt):
+        v = adapter.version if adapter else 0
+        self.interruptible += [(list(p), n, max_tokens, v) for p in prompts]
+        self.started.set()
+        length = min(max_tokens, self.SAMPLE_TOKENS)
+        done = length <= self.hold_after
+        if not done and self.release is not None:
+            waits = {asyncio.ensure_future(self.release.wait()), asyncio.ensure_future(interrupt.wait())}
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+            done = self.release.is_set()
+        k = length if done else self.hold_after
+
+        def sample(i):
+            ids, lps = [20 + v] * k, [-0.5 - 0.1 * v] * k
+            return Sample(ids, lps, f"#### {3 + i % 2}" if done else "", "stop" if done else "interrupted")
+
+        return [[sample(i) for i in range(n)] for _ in prompts]
 
     async def score(self, prompt, completion, adapter):
         return [-0.5] * len(completion)

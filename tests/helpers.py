@@ -13,6 +13,7 @@ from harness.net import free_port  # noqa: F401 (tests import it from here)
 from harness.procs import Proc, tandem_env
 from harness.runs import SMALL_LEARNER, SMALL_RUN  # noqa: F401 (tests import them from here)
 from learner.client import RolloutClient
+from shared import protocol as P
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "test-token"
@@ -130,16 +131,20 @@ def non_finite_bodies(spec: dict) -> list[tuple[str, str]]:
 
 
 def rescore(client, steps) -> list[tuple[dict, list[float]]]:
-    """(completion, its model tokens' log-probs re-scored on its group's version) of every trained one."""
+    """(completion, its model tokens' log-probs re-scored, each on the version stamped on it: its group's,
+    or the one `versions` names) of every trained one."""
     out = []
     for record in steps:
         for g in record["groups"]:
             for c in g["completions"]:
-                scored = client.score(
-                    g["prompt_token_ids"], c["token_ids"], version=g["policy_version"]
-                ).logprobs
+                versions = P.Completion.model_validate(c).token_versions(g["policy_version"])
+                scored = {  # the whole completion under each version that sampled some of it
+                    v: client.score(g["prompt_token_ids"], c["token_ids"], version=v).logprobs
+                    for v in sorted(set(versions))
+                }
                 mask = c["mask"] or [1] * len(c["token_ids"])
-                out.append((c, [lp for lp, m in zip(scored, mask, strict=True) if m]))
+                model = [t for t, m in enumerate(mask) if m]
+                out.append((c, [scored[v][t] for t, v in zip(model, versions, strict=True)]))
     return out
 
 

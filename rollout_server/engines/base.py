@@ -4,6 +4,7 @@ sleep, wake. `vllm` and `hf` implement it; a remote OpenAI-compatible backend wo
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,7 +29,7 @@ class Sample:
     token_ids: list[int]  # completion tokens, the EOS token included when it stopped there
     logprobs: list[float]  # sampler logprob of each token, after temperature (empty for greedy)
     text: str  # decoded completion, special tokens skipped
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "interrupted" (generate's `interrupt`: not finished)
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,13 @@ class RolloutBackend(Protocol):
         max_tokens: int,
         adapter: Adapter | None,
         logprobs: bool = True,
+        interrupt: asyncio.Event | None = None,
     ) -> list[list[Sample]]:
         """[len(prompts)][n] samples. temperature > 0 samples with top_p=1, top_k=off; 0 is greedy.
-        logprobs=False (evaluation) leaves Sample.logprobs empty and spares the engine keeping them."""
+        logprobs=False (evaluation) leaves Sample.logprobs empty and spares the engine keeping them.
+        `interrupt` (in-flight weight updates): once it is set, return at once, each sample not yet
+        finished as far as it got, with finish_reason "interrupted" (its tokens and logprobs so far, maybe
+        none); the caller continues it from prompt + those tokens."""
         ...
 
     async def score(self, prompt: list[int], completion: list[int], adapter: Adapter | None) -> list[float]:

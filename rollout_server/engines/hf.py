@@ -13,16 +13,24 @@ from rollout_server.engines.base import Adapter, AdapterLoadError, Piece, Sample
 from shared.config import TandemConfig
 
 
-def _until(cancelled: threading.Event):
-    """Stopping criteria that end generation at the next token once the request is cancelled (the server
-    went to sleep): the worker thread would otherwise compute the whole batch while the learner trains."""
+def _until(*events: threading.Event):
+    """Stopping criteria that end generation at the next token once any of `events` is set: the request is
+    cancelled (the server went to sleep: the worker thread would otherwise compute the whole batch while
+    the learner trains), or interrupted by a newer version (generate's `interrupt`)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class Cancelled(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
-            return torch.full((input_ids.shape[0],), cancelled.is_set(), dtype=torch.bool)
+            stop = any(e.is_set() for e in events)
+            return torch.full((input_ids.shape[0],), stop, dtype=torch.bool)
 
     return StoppingCriteriaList([Cancelled()])
+
+
+async def _relay(interrupt: asyncio.Event, interrupted: threading.Event) -> None:
+    """Pass an asyncio event on to the generating thread."""
+    await interrupt.wait()
+    interrupted.set()
 
 
 def _logprobs(logprobs: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
@@ -98,7 +106,8 @@ class HFBackend:
         self.model.set_adapter(adapter.name)
         return nullcontext()
 
-    def _generate(self, prompts, n, temperature, max_tokens, adapter, cancelled: threading.Event, logprobs):
+    def _generate(self, prompts, n, temperature, max_tokens, adapter, cancelled, logprobs, interrupted=None):
+        """`cancelled`, `interrupted`: threading.Events (generate's cancellation and its `interrupt`)."""
         if cancelled.is_set():  # cancelled while this thread waited for the lock: nobody wants the result
             return []
         eos, pad = self.tokenizer.eos_token_id, self._pad_id
@@ -119,7 +128,7 @@ class HFBackend:
                 max_new_tokens=max_tokens,
                 pad_token_id=pad,
                 eos_token_id=eos,
-                stopping_criteria=_until(cancelled),
+                stopping_criteria=_until(cancelled, *([interrupted] if interrupted else [])),
                 output_logits=keep_logits,
                 return_dict_in_generate=True,
             )
@@ -128,24 +137,35 @@ class HFBackend:
             logits = torch.stack(out.logits, dim=1).float() / temperature  # [R, S, V]
             token_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, new[..., None]).squeeze(-1)
         samples = []
+        cut_short = new.shape[1] < max_tokens  # interrupted (or every row stopped)
         for r in range(len(rows)):
             ids = new[r].tolist()
             stop = ids.index(eos) + 1 if eos in ids else None
             ids = ids[:stop] if stop else ids
             lps = token_logprobs[r, : len(ids)].tolist() if keep_logits else []
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            samples.append(Sample(ids, lps, text, "stop" if stop else "length"))
+            reason = "stop" if stop else "interrupted" if cut_short and interrupted is not None else "length"
+            samples.append(Sample(ids, lps, text, reason))
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True):
+    async def generate(self, prompts, *, n, temperature, max_tokens, adapter, logprobs=True, interrupt=None):
         cancelled = threading.Event()
+        interrupted = threading.Event() if interrupt is not None else None
+        relay = None
+        if interrupt is not None and interrupt.is_set():
+            interrupted.set()  # a newer version already: one token each
+        elif interrupt is not None:
+            relay = asyncio.ensure_future(_relay(interrupt, interrupted))
         try:
             return await self._run(
-                self._generate, prompts, n, temperature, max_tokens, adapter, cancelled, logprobs
+                self._generate, prompts, n, temperature, max_tokens, adapter, cancelled, logprobs, interrupted
             )
         except asyncio.CancelledError:
             cancelled.set()
             raise
+        finally:
+            if relay is not None:
+                relay.cancel()
 
     def _text(self, prompt: list[int], request: TextRequest, adapter, cancelled: threading.Event) -> Piece:
         ids = torch.tensor([prompt], device=self.device)

@@ -202,12 +202,14 @@ def _check_finished(out) -> None:
 def samples_of(out) -> list[Sample]:
     """The n samples of one vLLM RequestOutput, in index order."""
     _check_finished(out)
-    samples = []
-    for c in sorted(out.outputs, key=lambda c: c.index):
-        ids = list(c.token_ids)
-        lps = [step[t].logprob for step, t in zip(c.logprobs, ids, strict=True)] if c.logprobs else []
-        samples.append(Sample(ids, lps, c.text, c.finish_reason))
-    return samples
+    return [_sample(c, c.finish_reason) for c in sorted(out.outputs, key=lambda c: c.index)]
+
+
+def _sample(c, finish_reason: str) -> Sample:
+    """A vLLM CompletionOutput (the whole sample so far) as a Sample."""
+    ids = list(c.token_ids)
+    lps = [step[t].logprob for step, t in zip(c.logprobs, ids, strict=True)] if c.logprobs else []
+    return Sample(ids, lps, c.text, finish_reason)
 
 
 def _token_logprob(step: dict, token: int) -> TokenLogprob:
@@ -318,23 +320,64 @@ class VllmBackend:
         max_tokens: int,
         adapter: Adapter | None,
         logprobs: bool = True,
+        interrupt: asyncio.Event | None = None,
     ) -> list[list[Sample]]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
-            n=n,
+            n=n if interrupt is None else 1,
             temperature=temperature,
             top_p=1.0,
             top_k=-1,
             max_tokens=max_tokens,
             logprobs=0 if temperature > 0 and logprobs else None,  # 0 = just the sampled token's
-            # A default (streamed) request's last output held only 3 of 4 completions for n > 1.
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            # A default (streamed) request's last output held only 3 of 4 completions for n > 1: an
+            # interruptible one (each output the whole sample so far) is n requests of one sample.
+            output_kind=RequestOutputKind.FINAL_ONLY if interrupt is None else RequestOutputKind.CUMULATIVE,
         )
         async with self._weights(adapter), self._gate.generating():
+            if interrupt is not None:
+                samples = await asyncio.gather(
+                    *(self._interruptible(p, params, adapter, interrupt) for p in prompts for _ in range(n))
+                )
+                return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
             outs = await asyncio.gather(*(self._one(p, params, adapter) for p in prompts))
         return [samples_of(out) for out in outs]
+
+    async def _interruptible(self, prompt: list[int], params, adapter: Adapter | None, interrupt) -> Sample:
+        """One sample, ended where it is once `interrupt` is set (finish_reason "interrupted"): leaving the
+        engine's output stream aborts the request in the engine."""
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.engine.generate(
+            TokensPrompt(prompt_token_ids=prompt), params, uuid.uuid4().hex, lora_request=self._lora(adapter)
+        )
+        interrupted = asyncio.ensure_future(interrupt.wait())
+        last = None
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(outputs))
+                done, _ = await asyncio.wait({step, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+                if step not in done:  # interrupted: the request is aborted as its stream is cancelled
+                    step.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await step
+                    break
+                try:
+                    last = step.result()
+                except StopAsyncIteration:
+                    break
+                if last.finished:
+                    break
+        finally:
+            interrupted.cancel()
+            await outputs.aclose()
+        if last is None:
+            return Sample([], [], "", "interrupted")
+        if last.outputs[0].finish_reason is None:
+            return _sample(last.outputs[0], "interrupted")
+        return samples_of(last)[0]
 
     async def stream(self, prompt: list[int], request: TextRequest, adapter: Adapter | None):
         from vllm import SamplingParams

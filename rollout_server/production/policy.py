@@ -40,10 +40,19 @@ class Policy:
         self._inflight: Counter[int] = Counter()
         self._retired: set[int] = set()  # replaced versions still loaded
         self._lock = asyncio.Lock()
+        self._next = asyncio.Event()  # set (and replaced) whenever a newer version is served
 
     @property
     def version(self) -> int:
         return self.served.version if self.served else 0
+
+    def newer_than(self, version: int) -> asyncio.Event:
+        """An event set once a version newer than `version` is served (at once if one is already)."""
+        if self.version > version:
+            served = asyncio.Event()
+            served.set()
+            return served
+        return self._next
 
     def acquire(self) -> Adapter | None:
         """The adapter new work should use; pair with release()."""
@@ -113,6 +122,8 @@ class Policy:
                 self.store.remove(version)
                 raise AdapterRejected(str(e)) from None
             old, self.served = self.served, adapter
+            self._next.set()  # samples in flight may move to it (server.inflight_updates = 'continue')
+            self._next = asyncio.Event()
             if old is not None:
                 self._retired.add(old.version)
                 if not self._inflight[old.version]:

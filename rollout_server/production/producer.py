@@ -422,14 +422,19 @@ class Producer:
             return []
         max_tokens = min(s.max_new_tokens, limit - max(len(ids) for _, ids in kept))
         t0 = time.perf_counter()
-        samples = await self.backend.generate(
-            [ids for _, ids in kept],
-            n=s.group_size,
-            temperature=s.temperature,
-            max_tokens=max_tokens,
-            adapter=adapter,
-        )
-        trajectories = [[_Trajectory.of(smp) for smp in group] for group in samples]
+        if self.cfg.server.inflight_updates == "continue":
+            # (continuous production: one prompt; single-turn, checked by the config)
+            version, continued = await self._continued(kept[0][1], max_tokens, adapter)
+            trajectories = [continued]
+        else:
+            samples = await self.backend.generate(
+                [ids for _, ids in kept],
+                n=s.group_size,
+                temperature=s.temperature,
+                max_tokens=max_tokens,
+                adapter=adapter,
+            )
+            trajectories = [[_Trajectory.of(smp) for smp in group] for group in samples]
         if self.env is not None:
             played = await self.play(
                 [(ids, p.conversation(), p.answer, dict(p.metadata)) for (_, p), ids in kept],
@@ -466,6 +471,48 @@ class Producer:
             groups.append(_group(epoch, problem, ids, group, version, scores, totals))
         self.metrics.observe_batch(groups, elapsed, self.cfg.server.production == "continuous")
         return groups
+
+    async def _continued(self, prompt: list[int], max_tokens: int, adapter) -> tuple[int, list[_Trajectory]]:
+        """G samples of `prompt`, each moved to every newer version served before it ends (server.
+        inflight_updates = "continue"): the engine interrupts the samples in flight when a version is
+        published, and each unfinished one goes on under the new version from the prompt and the tokens it
+        has so far (token in, token out: nothing re-tokenised). Its prompt and tokens are prefilled again
+        under the new version (the KV cache is the old weights'; vLLM's prefix cache, keyed by adapter,
+        shares the prompt's among the G continuations). Each token keeps the sampler log-prob of the version
+        that sampled it, and each sample where each version's tokens begin; the group's version is its
+        oldest token's. `adapter` is held by the caller; the newer ones are held here."""
+        s = self.cfg.sampling
+        parts = [_Parts() for _ in range(s.group_size)]
+        held = []
+        try:
+            while pending := [p for p in parts if p.finish is None]:
+                version = adapter.version if adapter else 0
+                newer = self.policy.newer_than(version)
+                kw = dict(temperature=s.temperature, adapter=adapter, interrupt=newer)
+                if not any(p.ids for p in pending):  # the group's start: one request of n samples
+                    out = await self.backend.generate([prompt], n=len(pending), max_tokens=max_tokens, **kw)
+                    samples = out[0]
+                else:  # each unfinished sample on from where it was, under the version now served
+                    calls = [
+                        self.backend.generate([prompt + p.ids], n=1, max_tokens=max_tokens - len(p.ids), **kw)
+                        for p in pending
+                    ]
+                    samples = [out[0][0] for out in await asyncio.gather(*calls)]
+                for p, smp in zip(pending, samples, strict=True):
+                    p.add(smp, version)
+                    if p.finish is None and len(p.ids) >= max_tokens:  # interrupted at its last token
+                        p.finish = "length"
+                if any(p.finish is None for p in pending):
+                    adapter = self.policy.acquire()  # the version that interrupted them
+                    held.append(adapter)
+                    self.metrics.samples_continued.inc(sum(p.finish is None for p in pending))
+        finally:
+            for a in held:
+                await self.policy.release(a)
+        decode = self.backend.tokenizer.decode
+        firsts = [p.versions[0][1] for p in parts if p.versions]
+        oldest = min(firsts, default=adapter.version if adapter else 0)
+        return oldest, [p.trajectory(decode, oldest) for p in parts]
 
     async def _verifiers_groups(self, batch: list[tuple[int, Problem]], version: int) -> list[ScoredGroup]:
         """Each problem's G episodes played by the `verifiers` environment (rollout_server/
@@ -541,6 +588,33 @@ class Producer:
 
 
 @dataclass
+class _Parts:
+    """A sample built across in-flight weight updates: its tokens so far, their sampler log-probs, and
+    where each version's tokens begin."""
+
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[tuple[int, int]] = field(default_factory=list)  # (token index, version)
+    texts: list[str] = field(default_factory=list)
+    finish: str | None = None
+
+    def add(self, smp, version: int) -> None:
+        if smp.token_ids and (not self.versions or self.versions[-1][1] != version):
+            self.versions.append((len(self.ids), version))
+        self.ids += smp.token_ids
+        self.logprobs += smp.logprobs
+        self.texts.append(smp.text)
+        self.finish = None if smp.finish_reason == "interrupted" else smp.finish_reason
+
+    def trajectory(self, decode, group_version: int) -> _Trajectory:
+        # one request: the engine's text; several: the whole token sequence decoded at once (a character
+        # may span the tokens of two requests)
+        text = self.texts[-1] if len(self.texts) == 1 else decode(self.ids, skip_special_tokens=True)
+        versions = None if self.versions in ([], [(0, group_version)]) else self.versions
+        return _Trajectory(self.ids, self.logprobs, None, text, text, self.finish, versions=versions)
+
+
+@dataclass
 class _Trajectory:
     """What a group's completion is made of: a single-turn sample, or an episode."""
 
@@ -552,6 +626,7 @@ class _Trajectory:
     finish_reason: str
     env_failed: bool = False
     metadata: dict = field(default_factory=dict)  # extra row metadata for the reward functions
+    versions: list[tuple[int, int]] | None = None  # where each version's tokens begin (several versions)
 
     @classmethod
     def of(cls, smp) -> _Trajectory:
@@ -610,6 +685,7 @@ def _group(
             reward=total,
             rewards=r,
             finish_reason=t.finish_reason,
+            versions=t.versions,
         )
         for t, r, total in zip(trajectories, rewards, totals, strict=True)
     ]

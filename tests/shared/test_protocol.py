@@ -121,9 +121,13 @@ def test_group_needs_two_completions_and_a_nonnegative_version():
         _group(policy_version=-1)
 
 
-def test_a_completions_first_version_is_its_groups():
-    with pytest.raises(ValidationError, match="completion 1's first token is from v2, not the group's .* v3"):
+def test_no_token_is_older_than_its_group_s_policy_version():
+    with pytest.raises(
+        ValidationError, match="completion 1's first token is from v2, older than the group's"
+    ):
         _group(completions=[_completion(), _completion(versions=[(0, 2), (1, 3)])])
+    # a completion that the next version sampled whole (interrupted before its first token)
+    assert _group(completions=[_completion(), _completion(versions=[(0, 4)])]).token_lags(4)[3:] == [0, 0, 0]
 
 
 def test_each_model_token_knows_its_version_and_its_lag():
