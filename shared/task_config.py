@@ -121,6 +121,15 @@ class DataConfig(Section):
         "'{prompt}\\n\\nAnswer after ####.' (write {{ }} for literal braces). None: gsm8k/arith add their "
         "instruction to end with '#### <answer>'; custom uses the prompt as it is",
     )
+    curriculum: Literal["off", "skip_settled"] = Field(
+        default="off",
+        description="how prompts are drawn: 'off': every problem once an epoch, in data.seed's order; "
+        "'skip_settled': a problem whose last group's rewards were all equal (solved by every sample, or by "
+        "none: no learning signal) is skipped for data.curriculum_skip_epochs epochs, then tried again",
+    )
+    curriculum_skip_epochs: int = Field(
+        default=2, ge=1, le=1000, description="'skip_settled': epochs a settled problem sits out"
+    )
     arith: ArithConfig = ArithConfig()
     reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
     custom: CustomDataConfig = CustomDataConfig()

@@ -31,13 +31,14 @@ from pydantic import ValidationError
 
 from rollout_server.engines.base import GenerationAborted, RolloutBackend
 from rollout_server.production import episodes
+from rollout_server.production.curriculum import Curriculum
 from rollout_server.production.events import EventLog
 from rollout_server.production.policy import Policy
 from rollout_server.production.queue import LeaseQueue, StateError
 from rollout_server.tool_calls import tools_prompt_ids
 from shared.config import TandemConfig
 from shared.datasets import Problem, chat_prompt_ids, epoch_order
-from shared.protocol import Completion, ScoredGroup
+from shared.protocol import Completion, ScoredGroup, is_degenerate
 from shared.rewards import RewardCall, RewardRunner, length_shaping
 
 log = logging.getLogger("tandem.server")
@@ -189,6 +190,9 @@ class Producer:
             if journaled.made(len(problems)) > self.cursor.made(len(problems)):
                 self.cursor = journaled
         self.inflight_limit = max_inflight_groups(cfg)
+        self.curriculum = None  # data.curriculum: the problems skipped, and until which epoch
+        if cfg.data.curriculum == "skip_settled":
+            self.curriculum = Curriculum(state_dir / "curriculum.json", cfg.data.curriculum_skip_epochs)
         self._awake = asyncio.Event()
         self._awake.set()
         self._producing = asyncio.Event()  # cleared by pause(): nothing new starts until resume()
@@ -220,17 +224,34 @@ class Producer:
             self._orders[epoch] = epoch_order(len(self.problems), self.cfg.data.seed, epoch)
         return epoch, self.problems[self._orders[epoch][position]]
 
-    def _next(self, k: int) -> list[int]:
-        """The next k prompt indices neither queued nor in flight, in order."""
-        c = self.cursor
-        index = c.epoch * len(self.problems) + c.position
-        skip = {index + a for a in c.ahead} | set(self._work)
-        out = []
+    def _next(self, k: int) -> tuple[list[int], list[int]]:
+        """The next k prompt indices neither queued nor in flight, in order; and those passed over on the
+        way because the curriculum skips their problem in their epoch (at most an epoch's worth)."""
+        c, n = self.cursor, len(self.problems)
+        index = c.epoch * n + c.position
+        done = {index + a for a in c.ahead} | set(self._work)
+        out, passed = [], []
         while len(out) < k:
-            if index not in skip:
-                out.append(index)
+            if index not in done:
+                if self.curriculum and len(passed) < n and self.curriculum.skips(*self._problem_id(index)):
+                    passed.append(index)
+                else:
+                    out.append(index)
             index += 1
-        return out
+        return out, passed
+
+    def _problem_id(self, index: int) -> tuple[str, int]:
+        epoch, problem = self._problem(index)
+        return problem.id, epoch
+
+    async def _take(self, k: int) -> list[int]:
+        """The next k prompt indices to make groups of; those the curriculum passes over on the way are
+        journaled as done, with no group (so a restart does not draw them either)."""
+        indices, passed = self._next(k)
+        if passed:
+            await self._queue(passed, [])
+            self.events.write("skip", prompt_ids=[self._problem_id(i)[0] for i in passed], indices=passed)
+        return indices
 
     def _with(self, indices: list[int]) -> Cursor:
         """The cursor once the prompts at `indices` are queued too."""
@@ -255,6 +276,12 @@ class Producer:
             await self.queue.put(groups, cursor=after.saved(len(self.problems)))
             self.cursor = after
             self._save_cursor()
+            if self.curriculum is not None and groups:
+                epochs = dict(self._problem_id(i) for i in indices)
+                for g in groups:
+                    self.curriculum.observe(g.prompt_id, epochs[g.prompt_id], is_degenerate(g.rewards))
+                self.curriculum.save()
+                self.metrics.curriculum_skipped.set(self.curriculum.skipped(after.epoch))
         for g in groups:
             self.events.write("group", group_id=g.group_id, version=g.policy_version)
 
@@ -334,7 +361,7 @@ class Producer:
     async def _one_batch(self) -> None:
         """The next prompts -> groups -> the queue, with the cursor; nothing queued if the batch is
         cancelled (sleep), aborted by the engine or the server is shutting down."""
-        indices = self._next(min(self.cfg.server.prompts_per_batch, self.queue.space()))
+        indices = await self._take(min(self.cfg.server.prompts_per_batch, self.queue.space()))
         batch = [self._problem(i) for i in indices]
         adapter = self.policy.acquire()
         try:
@@ -373,7 +400,9 @@ class Producer:
                 await self.queue.wait_until(room, poll_s=0.2)
                 if not room():
                     continue
-                (index,) = self._next(1)
+                (index,) = await self._take(1)
+                if not room():  # (the curriculum's skips were journaled meanwhile)
+                    continue
                 self._idle.clear()
                 task = self._work[index] = asyncio.create_task(self._one_group(index))
                 task.add_done_callback(lambda _: self._idle.set() if self._all_done() else None)

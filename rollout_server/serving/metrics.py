@@ -44,6 +44,9 @@ class ServerMetrics:
             registry=r,
         )
         self.groups_invalid = Counter("tandem_groups_invalid", "groups dropped: unusable sample", registry=r)
+        self.curriculum_skipped = Gauge(
+            "tandem_curriculum_skipped", "problems sitting out this epoch (data.curriculum)", registry=r
+        )
         self.samples_continued = Counter(
             "tandem_samples_continued",
             "samples interrupted by a publish and continued under the new version (server.inflight_updates)",

@@ -6,6 +6,7 @@ the generations in flight), so each seed replays the same story."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -18,6 +19,8 @@ from shared.datasets import Problem, epoch_order
 from tests.fakes import FakeBackend, fake_app
 
 PROBLEMS = [Problem(f"arith-train-{i}", f"What is {i} + 1?", "3") for i in range(7)]  # epochs wrap
+# The fake engine answers 3 and 4 in turn: the odd problems here are never solved (settled groups)
+SETTLING = [Problem(p.id, p.question, "3" if i % 2 == 0 else "7") for i, p in enumerate(PROBLEMS)]
 
 
 @pytest.fixture(autouse=True)
@@ -48,11 +51,12 @@ class GatedBackend(FakeBackend):
         rng.choice([g for g in self.gates if not g.done()]).set_result(None)
 
 
-def _cfg(tmp_path, **server) -> TandemConfig:
+def _cfg(tmp_path, data=None, **server) -> TandemConfig:
     return TandemConfig.model_validate(
         {
             "sampling": {"group_size": 2},
             "server": {"state_dir": str(tmp_path / "state"), "production": "continuous", **server},
+            "data": data or {},
         }
     )
 
@@ -70,18 +74,22 @@ def _index(group) -> int:
     return epoch * len(PROBLEMS) + order.index(int(group.prompt_id.rsplit("-", 1)[1]))
 
 
-async def _story(tmp_path, seed: int) -> tuple[list[int], Cursor, int]:
+async def _story(tmp_path, seed: int, curriculum: bool = False) -> tuple[list[int], Cursor, int]:
     """Lives of a server: in each, the engine finishes generations in a seeded order, a learner pulls and
     acks now and then, the server sleeps and wakes, pauses and resumes; then it is killed (its tasks
     cancelled, nothing saved: what is on disk is what a SIGKILL leaves), sometimes with its cursor.json
     lost too (a kill between the journal's line and the cursor file). Returns the prompt index of every
-    group acked or left in the queue, the last cursor, and the most prompts queued ahead of the cursor."""
+    group acked or left in the queue, the last cursor, and the most prompts queued ahead of the cursor.
+    `curriculum`: data.curriculum = "skip_settled" on SETTLING, its odd problems skipped for an epoch after
+    each settled group (the indices passed over are returned with the groups')."""
     rng = random.Random(seed)
-    cfg = _cfg(tmp_path, max_inflight_groups=4, queue_size=6)
+    data = {"curriculum": "skip_settled", "curriculum_skip_epochs": 1} if curriculum else None
+    problems = SETTLING if curriculum else PROBLEMS
+    cfg = _cfg(tmp_path, data, max_inflight_groups=4, queue_size=6)
     trained, most_ahead = [], 0
     for _ in range(5):
         backend = GatedBackend()
-        server = Server(cfg, backend, PROBLEMS, str(tmp_path))
+        server = Server(cfg, backend, problems, str(tmp_path))
         producer = server.producer
         run = asyncio.create_task(producer.run())
         for _ in range(rng.randint(2, 14)):
@@ -119,12 +127,17 @@ async def _story(tmp_path, seed: int) -> tuple[list[int], Cursor, int]:
             (tmp_path / "state" / "cursor.json").unlink(missing_ok=True)
     ready, leases = server.queue.contents()
     left = [*ready, *(g for groups in leases.values() for g in groups)]
-    return trained + [_index(g) for g in left], producer.cursor, most_ahead
+    events = [json.loads(line) for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
+    passed = [i for e in events if e["event"] == "skip" for i in e["indices"]]
+    return trained + [_index(g) for g in left] + passed, producer.cursor, most_ahead
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_every_prompt_is_queued_once_across_out_of_order_groups_kills_sleeps_and_pauses(tmp_path, seed):
-    made, cursor, most_ahead = asyncio.run(_story(tmp_path, seed))
+@pytest.mark.parametrize(("seed", "curriculum"), [(0, False), (1, False), (2, False), (3, True), (4, True)])
+def test_every_prompt_is_queued_once_across_out_of_order_groups_kills_sleeps_and_pauses(
+    tmp_path, seed, curriculum
+):
+    """(With the curriculum: every prompt queued or passed over once.)"""
+    made, cursor, most_ahead = asyncio.run(_story(tmp_path, seed, curriculum))
     frontier = cursor.epoch * len(PROBLEMS) + cursor.position
     assert sorted(made) == sorted([*range(frontier), *(frontier + a for a in cursor.ahead)])
     assert len(made) == len(set(made))  # none twice (the line above: none skipped below the cursor)
@@ -137,13 +150,13 @@ def test_the_cursor_counts_prompts_queued_out_of_order_and_skips_them_next(tmp_p
     producer.cursor = Cursor(0, 2)
     assert producer._with([3, 5]) == Cursor(0, 2, (1, 3))
     producer.cursor = Cursor(0, 2, (1, 3))
-    assert producer._next(3) == [2, 4, 6]  # 3 and 5 are queued
+    assert producer._next(3) == ([2, 4, 6], [])  # 3 and 5 are queued
     assert producer._with([2]) == Cursor(0, 4, (1,))  # 2, 3 done: on to 4, with 5 ahead
     assert producer._with([2, 4]) == Cursor(0, 6)
     assert producer._with([2, 4, 6]) == Cursor(1, 0)  # 7 problems: index 7 is epoch 1's first
     assert producer._with([8]) == Cursor(0, 2, (1, 3, 6))
     producer._work = {2: None}
-    assert producer._next(2) == [4, 6]  # in flight is not free either
+    assert producer._next(2) == ([4, 6], [])  # in flight is not free either
 
 
 def test_a_cursor_with_prompts_ahead_survives_its_file_and_a_damaged_one_is_named(tmp_path):
@@ -207,3 +220,33 @@ def test_a_group_the_engine_aborted_is_made_again_and_an_engine_error_ends_produ
             asyncio.run(asyncio.sleep(0.05))
         r = c.get("/health")
     assert fatal == [1] and r.status_code == 503 and "engine core died" in r.json()["detail"]
+
+
+async def _drawn_until(tmp_path, epoch: int, cfg) -> list[tuple[int, str]]:
+    """(epoch, problem id) of every group a server on SETTLING makes until its cursor reaches `epoch`."""
+    server = Server(cfg, FakeBackend(), SETTLING, str(tmp_path))
+    run = asyncio.create_task(server.producer.run())
+    drawn = []
+    while server.producer.cursor.epoch < epoch:
+        lease, groups = await server.queue.pull(8, wait_s=1.0)
+        if lease is not None:
+            await server.queue.ack(lease)
+            drawn += [(int(g.group_id.rsplit("-", 2)[1][1:]), g.prompt_id) for g in groups]
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    server.journal.close()
+    return drawn
+
+
+def test_the_curriculum_skips_a_settled_problem_for_its_epochs_then_draws_it_again_across_a_restart(tmp_path):
+    """The odd problems of SETTLING give all-zero groups: each sits out the next epoch (skip_epochs 1) and
+    is drawn again in the one after; the even ones are drawn every epoch. The server is stopped as epoch 0
+    ends and restarted: it keeps the curriculum (curriculum.json) and the cursor."""
+    data = {"curriculum": "skip_settled", "curriculum_skip_epochs": 1}
+    cfg = _cfg(tmp_path, data, production="lockstep", prompts_per_batch=1, queue_size=2)
+    drawn = asyncio.run(_drawn_until(tmp_path, 1, cfg))
+    drawn += asyncio.run(_drawn_until(tmp_path, 4, cfg))
+    evens, odds = {p.id for p in SETTLING[::2]}, {p.id for p in SETTLING[1::2]}
+    by_epoch = {e: sorted(p for de, p in drawn if de == e) for e in range(4)}
+    assert by_epoch == {0: sorted(evens | odds), 1: sorted(evens), 2: sorted(evens | odds), 3: sorted(evens)}
+    assert len(drawn) == len(set(drawn))  # none twice (the restart repeated nothing)
