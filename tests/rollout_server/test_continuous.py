@@ -74,14 +74,14 @@ def _index(group) -> int:
     return epoch * len(PROBLEMS) + order.index(int(group.prompt_id.rsplit("-", 1)[1]))
 
 
-async def _story(tmp_path, seed: int, curriculum: bool = False) -> tuple[list[int], Cursor, int]:
+async def _story(tmp_path, seed: int, curriculum: bool = False) -> tuple[list[int], Cursor, int, int]:
     """Lives of a server: in each, the engine finishes generations in a seeded order, a learner pulls and
     acks now and then, the server sleeps and wakes, pauses and resumes; then it is killed (its tasks
     cancelled, nothing saved: what is on disk is what a SIGKILL leaves), sometimes with its cursor.json
     lost too (a kill between the journal's line and the cursor file). Returns the prompt index of every
     group acked or left in the queue, the last cursor, and the most prompts queued ahead of the cursor.
     `curriculum`: data.curriculum = "skip_settled" on SETTLING, its odd problems skipped for an epoch after
-    each settled group (the indices passed over are returned with the groups')."""
+    each settled group (the indices passed over are returned with the groups', and counted last)."""
     rng = random.Random(seed)
     data = {"curriculum": "skip_settled", "curriculum_skip_epochs": 1} if curriculum else None
     problems = SETTLING if curriculum else PROBLEMS
@@ -129,7 +129,7 @@ async def _story(tmp_path, seed: int, curriculum: bool = False) -> tuple[list[in
     left = [*ready, *(g for groups in leases.values() for g in groups)]
     events = [json.loads(line) for line in (tmp_path / "state" / "events.jsonl").read_text().splitlines()]
     passed = [i for e in events if e["event"] == "skip" for i in e["indices"]]
-    return trained + [_index(g) for g in left] + passed, producer.cursor, most_ahead
+    return trained + [_index(g) for g in left] + passed, producer.cursor, most_ahead, len(passed)
 
 
 @pytest.mark.parametrize(("seed", "curriculum"), [(0, False), (1, False), (2, False), (3, True), (4, True)])
@@ -137,12 +137,13 @@ def test_every_prompt_is_queued_once_across_out_of_order_groups_kills_sleeps_and
     tmp_path, seed, curriculum
 ):
     """(With the curriculum: every prompt queued or passed over once.)"""
-    made, cursor, most_ahead = asyncio.run(_story(tmp_path, seed, curriculum))
+    made, cursor, most_ahead, passed = asyncio.run(_story(tmp_path, seed, curriculum))
     frontier = cursor.epoch * len(PROBLEMS) + cursor.position
     assert sorted(made) == sorted([*range(frontier), *(frontier + a for a in cursor.ahead)])
     assert len(made) == len(set(made))  # none twice (the line above: none skipped below the cursor)
     assert frontier > len(PROBLEMS)  # the story reached a second epoch
     assert most_ahead > 0  # groups were queued out of order
+    assert (passed > 0) == curriculum  # the curriculum passed settled problems over
 
 
 def test_the_cursor_counts_prompts_queued_out_of_order_and_skips_them_next(tmp_path):
