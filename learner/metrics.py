@@ -113,7 +113,8 @@ class SignalWatch:
         if all(x["reward/std"] == 0 for x in spell):
             return head + (
                 f"every completion scored {spell[-1]['reward/mean']:g}. The task is solved, or the reward "
-                "does not tell completions apart: a harder task (e.g. data.arith.difficulty), or a reward "
+                "does not tell completions apart: a harder task (e.g. data.arith.difficulty), "
+                "data.curriculum=skip_settled (problems every sample solves sit out epochs), or a reward "
                 "that grades"
             )
         identical = sum(x.get("groups/identical", 0.0) for x in spell) / len(spell)
@@ -121,5 +122,5 @@ class SignalWatch:
             f"(nearly) every group's completions scored alike, {100 * identical:.0f} % of groups one and the "
             "same completion: the policy answers each prompt one way. Options: a higher "
             "sampling.temperature, a larger sampling.group_size, learner.dynamic_sampling=true (pulls past "
-            "such groups)"
+            "such groups), data.curriculum=skip_settled (the server sits their problems out)"
         )
