@@ -58,9 +58,13 @@ class Cursor:
         head = (self.epoch, self.position, num_problems)
         return (*head, list(self.ahead)) if self.ahead else head
 
+    def frontier(self, num_problems: int) -> int:
+        """The prompt index (since epoch 0) of (epoch, position): every one below it is queued."""
+        return self.epoch * num_problems + self.position
+
     def made(self, num_problems: int) -> int:
         """Prompts queued since epoch 0: grows with every put."""
-        return self.epoch * num_problems + self.position + len(self.ahead)
+        return self.frontier(num_problems) + len(self.ahead)
 
 
 def _ahead(value, fix: str, where) -> tuple[int, ...]:
@@ -189,6 +193,7 @@ class Producer:
             journaled = Cursor(saved[0], saved[1], ahead)
             if journaled.made(len(problems)) > self.cursor.made(len(problems)):
                 self.cursor = journaled
+        self.continuous = cfg.server.production == "continuous"  # groups made one by one, side by side
         self.inflight_limit = max_inflight_groups(cfg)
         self.curriculum = None  # data.curriculum: the problems skipped, and until which epoch
         if cfg.data.curriculum == "skip_settled":
@@ -228,7 +233,7 @@ class Producer:
         """The next k prompt indices neither queued nor in flight, in order; and those passed over on the
         way because the curriculum skips their problem in their epoch (at most an epoch's worth)."""
         c, n = self.cursor, len(self.problems)
-        index = c.epoch * n + c.position
+        index = c.frontier(n)
         done = {index + a for a in c.ahead} | set(self._work)
         out, passed = [], []
         while len(out) < k:
@@ -256,7 +261,7 @@ class Producer:
     def _with(self, indices: list[int]) -> Cursor:
         """The cursor once the prompts at `indices` are queued too."""
         c, n = self.cursor, len(self.problems)
-        start = c.epoch * n + c.position
+        start = c.frontier(n)
         done = {start + a for a in c.ahead} | set(indices)
         while start in done:
             done.remove(start)
@@ -343,7 +348,7 @@ class Producer:
             await self.verifiers.close()
 
     async def run(self) -> None:
-        if self.cfg.server.production == "continuous":
+        if self.continuous:
             await self._run_continuous()
             return
         while not self._halted:
@@ -498,7 +503,7 @@ class Producer:
             scores = [r | parts for r, parts in zip(scores, shaping, strict=True)]
             totals = [t + sum(parts.values()) for t, parts in zip(totals, shaping, strict=True)]
             groups.append(_group(epoch, problem, ids, group, version, scores, totals))
-        self.metrics.observe_batch(groups, elapsed, self.cfg.server.production == "continuous")
+        self.metrics.observe_batch(groups, elapsed, self.continuous)
         return groups
 
     async def _continued(self, prompt: list[int], max_tokens: int, adapter) -> tuple[int, list[_Trajectory]]:
@@ -571,7 +576,7 @@ class Producer:
             ids = episodes_[0].prompt_ids
             groups.append(_group(epoch, problem, ids, trajectories, version, scores, totals))
         elapsed = time.perf_counter() - t0
-        self.metrics.observe_batch(groups, elapsed, self.cfg.server.production == "continuous")
+        self.metrics.observe_batch(groups, elapsed, self.continuous)
         return groups
 
     def _check_environment(self, played: list[list]) -> None:
@@ -585,7 +590,7 @@ class Producer:
             self._failing = 0
             return
         unit, units, limit = "batch", "batches", FAILING_BATCHES
-        if self.cfg.server.production == "continuous":
+        if self.continuous:
             unit, units, limit = "group", "groups", FAILING_BATCHES * self.cfg.server.prompts_per_batch
         self._failing += 1
         if self._failing >= limit:
