@@ -33,3 +33,12 @@ def procs():
     yield started
     for p in started:
         p.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, model_dir) -> str:
+    """A two-layer Llama of width 32 with SmolLM2's tokenizer (tests.helpers.make_tiny_model): for tests
+    of what surrounds a real engine, where the model's answers do not matter and its cost should not."""
+    from tests.helpers import make_tiny_model
+
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-model") / "tiny", model_dir))

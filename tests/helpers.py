@@ -148,25 +148,36 @@ def rescore(client, steps) -> list[tuple[dict, list[float]]]:
     return out
 
 
-def make_reward_model(folder: Path, tokenizer_from: str, labels: int = 1, seed: int = 0) -> Path:
-    """A tiny sequence classifier (two layers of width 32, random weights, a score head far from zero so
-    that texts score apart) with the tokenizer and chat template of the model at `tokenizer_from`, saved
-    in `folder`: a reward model for `rm:` (labels = 1)."""
+def make_tiny_model(folder: Path, tokenizer_from: str, *, labels: int = 0, seed: int = 0) -> Path:
+    """A tiny Llama (two layers of width 32, random weights) with the tokenizer and chat template of the
+    model at `tokenizer_from`, saved in `folder`. labels = 0: a causal LM, for tests of what surrounds the
+    engine (its answers are noise, its cost next to none); labels >= 1: a sequence classifier whose score
+    head is far from zero so that texts score apart, a reward model for `rm:` (labels = 1)."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, num_labels=labels,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        num_labels=max(labels, 1),
     )  # fmt: skip
-    model = LlamaForSequenceClassification(config)
-    with torch.no_grad():  # a score head far from zero, so rewards differ between texts
-        model.score.weight.normal_(0, 2.0)
+    if labels:
+        model = LlamaForSequenceClassification(config)
+        with torch.no_grad():  # a score head far from zero, so rewards differ between texts
+            model.score.weight.normal_(0, 2.0)
+    else:  # generation stops at the tokenizer's end of turn, as the real model's does
+        config.eos_token_id = config.pad_token_id = tokenizer.eos_token_id
+        model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def make_reward_model(folder: Path, tokenizer_from: str, labels: int = 1, seed: int = 0) -> Path:
+    """A tiny sequence classifier (make_tiny_model with labels >= 1): a reward model for `rm:`."""
+    return make_tiny_model(folder, tokenizer_from, labels=labels, seed=seed)
 
 
 @functools.lru_cache(maxsize=4)
