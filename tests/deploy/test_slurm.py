@@ -14,7 +14,8 @@ import pytest
 from tests.helpers import REPO, free_port, proc_env
 
 SCRIPTS = sorted((REPO / "deploy" / "slurm").iterdir())
-# A tiny run on the hf backend, for the jobs that start real processes; the learner's part after LEARNER.
+# A tiny run on the hf backend, for the jobs that start real processes (on a tiny model: the `small`
+# fixture); the learner's part after LEARNER.
 SMALL = [
     "--sampling.group_size=2",
     "--sampling.max_new_tokens=8",
@@ -49,10 +50,18 @@ def test_learner_gives_up_clearly_without_a_server(tmp_path):
     assert out.returncode == 1 and "server_url" in out.stderr
 
 
-def _server_job(env: dict[str, str], log: Path) -> subprocess.Popen:
-    """run.sh server on SMALL, in a session of its own (as a job: a signal can reach all its processes)."""
+@pytest.fixture
+def small(tiny_model_dir) -> list[str]:
+    """SMALL on a tiny model of SmolLM2's tokenizer: what the two-server test checks is how the jobs find
+    each other, not what a step learns. (The resubmission test keeps SmolLM2: its server is moved after
+    step 2 while the learner is still at work, and a tiny model's steps end before the move lands.)"""
+    return [*SMALL, f"--model.name={tiny_model_dir}"]
+
+
+def _server_job(env: dict[str, str], log: Path, small: list[str]) -> subprocess.Popen:
+    """run.sh server on `small`, in a session of its own (as a job: a signal can reach all its processes)."""
     return subprocess.Popen(
-        ["deploy/slurm/run.sh", "server", "deploy/configs/cpu.toml", *SMALL],
+        ["deploy/slurm/run.sh", "server", "deploy/configs/cpu.toml", *small],
         env=env,
         cwd=REPO,
         stdout=log.open("wb"),
@@ -62,7 +71,7 @@ def _server_job(env: dict[str, str], log: Path) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path):
+def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path, small):
     """Two server jobs (TANDEM_NUM_SERVERS, each its shard: TANDEM_SHARD as a job array's task id would be)
     and the learner job find each other through the run folder; every server gets the published v1. One
     server job: the resubmission test below (its learner job finds job A's URL, then B's)."""
@@ -75,7 +84,7 @@ def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path):
             TANDEM_PYTHON=sys.executable, OMP_NUM_THREADS="1", TANDEM_NUM_SERVERS=str(servers),
             TANDEM_SHARD=str(k),
         )  # fmt: skip
-        started.append(_server_job(env, tmp_path / f"server{k}.log"))
+        started.append(_server_job(env, tmp_path / f"server{k}.log", small))
     env = proc_env(TANDEM_RUN_DIR=str(tmp_path), TANDEM_PYTHON=sys.executable, OMP_NUM_THREADS="1",
                    TANDEM_NUM_SERVERS=str(servers))  # fmt: skip
     try:
@@ -84,7 +93,7 @@ def test_server_and_learner_find_each_other_through_the_run_dir(tmp_path):
                 "deploy/slurm/run.sh",
                 "learner",
                 "deploy/configs/cpu.toml",
-                *SMALL,
+                *small,
                 *LEARNER,
                 "--learner.steps=1",
             ],
@@ -263,7 +272,7 @@ def test_a_server_job_resubmitted_elsewhere_is_followed_by_the_learner_job(tmp_p
 
     def server_job(port: int) -> subprocess.Popen:
         env = proc_env(TANDEM_PORT=str(port), TANDEM_HOST="127.0.0.1", **common)
-        return _server_job(env, tmp_path / f"server-{port}.log")
+        return _server_job(env, tmp_path / f"server-{port}.log", SMALL)
 
     first, second = free_port(), free_port()
     log = tmp_path / "learner-job.log"
