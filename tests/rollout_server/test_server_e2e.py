@@ -205,7 +205,15 @@ def test_backends_agree_on_logprobs(server):
         assert mean_diff < BACKEND_TOLERANCE_MEAN, (version, mean_diff)
 
 
+def _server_logic_only(server) -> None:
+    """A test of the server's own logic (leases, the queue, auth), which is the same code whatever engine
+    generates: it runs with the vLLM server only (and on the fake engine in tests/rollout_server/)."""
+    if server[0] != "vllm":
+        pytest.skip("the server's logic, not the engine's: run with the vllm server")
+
+
 def test_lease_expiry_returns_unacked_groups_and_acked_never_return(server):
+    _server_logic_only(server)
     _, _, client, _ = server
     first = client.pull(1, wait_s=300)
     kept = first.groups[0].group_id  # leased, never acked
@@ -225,6 +233,7 @@ def test_lease_expiry_returns_unacked_groups_and_acked_never_return(server):
 
 
 def test_concurrent_pullers_never_share_a_group(server):
+    _server_logic_only(server)
     _, _, client, _ = server
     results = []
 
@@ -285,6 +294,7 @@ ENDPOINTS = [
 
 
 def test_auth_and_malformed_requests_get_4xx_with_a_message(server):
+    _server_logic_only(server)
     _, _, client, _ = server
     url = client.url
     ok = {"Authorization": f"Bearer {TOKEN}"}
@@ -519,6 +529,7 @@ def test_a_learner_killed_while_its_pull_waits_is_leased_nothing(server):
     """Found by a randomised kill run: a learner SIGKILLed while its pull waited was leased the next
     groups ~40 s later, after its successor had released that pull's id (nothing leased yet then); they
     held queue slots until server.lease_s ran out. The pull here is the learner's own client code."""
+    _server_logic_only(server)
     _, _, client, _ = server
     assert client.pause_production().paused  # answered once the batch in flight is queued
     _drain(client)
