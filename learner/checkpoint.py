@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 
 from learner.engine import barrier, broadcast_object, gather_objects, load_checkpoint, save_checkpoint
 from shared.config import TandemConfig
+from shared.files import write_atomic
 
 
 @dataclass
@@ -140,9 +141,7 @@ def truncate_records(out: Path, step: int, log) -> None:
                 dropped += 1
         if dropped:
             with writing(out, name):
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text("".join(f"{line}\n" for line in kept))
-                tmp.replace(path)
+                write_atomic(path, "".join(f"{line}\n" for line in kept))
             log(f"{name}: dropped {dropped} line(s) after step {step}, the checkpoint resumed from")
 
 
@@ -212,9 +211,7 @@ def save(engine, out: Path, state: State, rank: int, keep: int, every: int) -> N
         with writing(out, f"checkpoints/{folder.name}"):
             (folder / "state.json").write_text(json.dumps(asdict(state)))
             shutil.copy(out / "config.json", folder / "config.json")
-            tmp = out / "checkpoints" / "latest.tmp"
-            tmp.write_text(folder.name)
-            tmp.replace(out / "checkpoints" / "latest")
+            write_atomic(out / "checkpoints" / "latest", folder.name)
         prune(out, state.step, keep, every)
         prune_adapters(out, state.version, keep, every)
     barrier()
@@ -305,9 +302,7 @@ def write_inflight(out: Path, lease_ids: list[str]) -> None:
     """Leases pulled and not yet acked, on disk the moment they exist: a learner killed mid-step
     leaves them here, and its successor gives their groups back (see sync_server)."""
     with writing(out, "inflight_leases.json"):
-        tmp = out / "inflight_leases.json.tmp"
-        tmp.write_text(json.dumps(lease_ids))
-        tmp.replace(out / "inflight_leases.json")
+        write_atomic(out / "inflight_leases.json", json.dumps(lease_ids))
 
 
 def read_inflight(out: Path) -> list[str]:

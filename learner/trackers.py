@@ -19,6 +19,7 @@ new one); W&B would refuse a step that goes back anyway.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from shared.config import TandemConfig
+from shared.files import write_atomic
 
 STATE_FILE = "trackers.json"
 EVALUATIONS_FILE = "evaluations.jsonl"
@@ -281,12 +283,8 @@ class Bookkeeping:
         never a duplicate now (a raise here would retry a call the tracker already took)."""
         with self.lock:
             self.state.setdefault(name, {}).update(fields)
-            tmp = self.path.with_suffix(".tmp")
-            try:
-                tmp.write_text(json.dumps(self.state, indent=2) + "\n")
-                os.replace(tmp, self.path)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                write_atomic(self.path, json.dumps(self.state, indent=2) + "\n")
 
 
 class Trackers:

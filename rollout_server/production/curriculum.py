@@ -10,6 +10,8 @@ import json
 import logging
 from pathlib import Path
 
+from shared.files import write_atomic
+
 log = logging.getLogger("tandem.server")
 
 
@@ -39,6 +41,4 @@ class Curriculum:
         return sum(epoch < e for e in self.until.values())
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"until": self.until}))
-        tmp.replace(self.path)
+        write_atomic(self.path, json.dumps({"until": self.until}))

@@ -38,6 +38,7 @@ from rollout_server.production.queue import LeaseQueue, StateError
 from rollout_server.tool_calls import tools_prompt_ids
 from shared.config import TandemConfig
 from shared.datasets import Problem, chat_prompt_ids, epoch_order
+from shared.files import write_atomic
 from shared.protocol import Completion, ScoredGroup, is_degenerate
 from shared.rewards import RewardCall, RewardRunner, length_shaping
 
@@ -87,13 +88,6 @@ def _read_state(path: Path, fix: str) -> dict:
     if not isinstance(saved, dict):
         raise StateError(f"{path} must hold a JSON object, not {type(saved).__name__}: {fix}")
     return saved
-
-
-def _write_state(path: Path, saved: dict) -> None:
-    """Whole or not at all: a crash mid-write leaves the previous file."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(saved))
-    tmp.replace(path)
 
 
 def load_cursor(path: Path, num_problems: int) -> Cursor:
@@ -271,7 +265,7 @@ class Producer:
     def _save_cursor(self) -> None:
         c = self.cursor
         saved = {"epoch": c.epoch, "position": c.position, "num_problems": len(self.problems)}
-        _write_state(self._cursor_file, saved | ({"ahead": list(c.ahead)} if c.ahead else {}))
+        write_atomic(self._cursor_file, json.dumps(saved | ({"ahead": list(c.ahead)} if c.ahead else {})))
 
     async def _queue(self, indices: list[int], groups: list[ScoredGroup]) -> None:
         """Queue the groups made from the prompts at `indices` (fewer when some were dropped) with the cursor
