@@ -353,25 +353,26 @@ class VllmBackend:
         outputs = self.engine.generate(
             TokensPrompt(prompt_token_ids=prompt), params, uuid.uuid4().hex, lora_request=self._lora(adapter)
         )
-        interrupted = asyncio.ensure_future(interrupt.wait())
         last = None
-        try:
-            while True:
-                step = asyncio.ensure_future(anext(outputs))
-                done, _ = await asyncio.wait({step, interrupted}, return_when=asyncio.FIRST_COMPLETED)
-                if step not in done:  # interrupted: the request is aborted as its stream is cancelled
-                    step.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await step
-                    break
-                try:
-                    last = step.result()
-                except StopAsyncIteration:
-                    break
+
+        async def read() -> None:  # one reader for the whole stream, not a future per token
+            nonlocal last
+            async for last in outputs:  # (the last output is read after the loop)
                 if last.finished:
-                    break
-        finally:
+                    return
+
+        reader = asyncio.ensure_future(read())
+        interrupted = asyncio.ensure_future(interrupt.wait())
+        try:
+            await asyncio.wait({reader, interrupted}, return_when=asyncio.FIRST_COMPLETED)
+            if reader.done():
+                reader.result()  # the engine's error, if it raised one
+        finally:  # interrupted (or this task cancelled): the request is aborted as its stream is cancelled
             interrupted.cancel()
+            if not reader.done():
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
             await outputs.aclose()
         if last is None:
             return Sample([], [], "", "interrupted")

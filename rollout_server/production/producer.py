@@ -623,7 +623,8 @@ class _Parts:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[tuple[int, int]] = field(default_factory=list)  # (token index, version)
-    texts: list[str] = field(default_factory=list)
+    requests: int = 0
+    text: str = ""  # the engine's text of the first request (all there is when it was the only one)
     finish: str | None = None
 
     def add(self, smp, version: int) -> None:
@@ -631,13 +632,14 @@ class _Parts:
             self.versions.append((len(self.ids), version))
         self.ids += smp.token_ids
         self.logprobs += smp.logprobs
-        self.texts.append(smp.text)
+        self.requests += 1
+        self.text = smp.text if self.requests == 1 else ""
         self.finish = None if smp.finish_reason == "interrupted" else smp.finish_reason
 
     def trajectory(self, decode, group_version: int) -> _Trajectory:
         # one request: the engine's text; several: the whole token sequence decoded at once (a character
         # may span the tokens of two requests)
-        text = self.texts[-1] if len(self.texts) == 1 else decode(self.ids, skip_special_tokens=True)
+        text = self.text if self.requests == 1 else decode(self.ids, skip_special_tokens=True)
         versions = None if self.versions in ([], [(0, group_version)]) else self.versions
         return _Trajectory(self.ids, self.logprobs, None, text, text, self.finish, versions=versions)
 
