@@ -118,6 +118,9 @@ class TandemConfig(Section):
             self.server.max_lora_rank = self.lora.r
         if self.server.max_loras is None:  # derived: every version a group in flight may come from
             self.server.max_loras = self.learner.max_staleness + 1 if split else 2
+        if self.server.production is None:  # derived: docs/design.md, "Production"
+            continuous = split or self.server.inflight_updates == "continue"
+            self.server.production = "continuous" if continuous else "lockstep"
         if self.lora.r > self.server.max_lora_rank:
             raise ValueError(f"lora.r={self.lora.r} exceeds server.max_lora_rank={self.server.max_lora_rank}")
         g = self.grpo

@@ -72,7 +72,7 @@ def test_without_a_publish_nothing_is_interrupted_or_stamped(tmp_path):
     ("overrides", "message"),
     [
         (["server.inflight_updates=keep"], "not built yet: use 'continue' with server.adapter_mode"),
-        (["server.inflight_updates=continue"], "set server.production = 'continuous'"),
+        (["server.inflight_updates=continue", "server.production=lockstep"], "set server.production = 'c"),
         (
             ["server.inflight_updates=continue", "server.production=continuous", "server.adapter_mode=merge"],
             "merged weights hold one version at a time: set server.adapter_mode = 'lora'",

@@ -141,6 +141,20 @@ def test_the_servers_lora_slots_and_rank_are_derived_from_the_learners_settings(
     assert (shipped.server.max_lora_rank, shipped.server.max_loras) == (16, 3)  # as the file once set them
 
 
+def test_production_is_continuous_where_the_engine_never_sleeps_unless_set():
+    production = {
+        (): "lockstep",  # time-sliced: the engine sleeps each step
+        ("learner.placement=split",): "continuous",
+        ("server.inflight_updates=continue", "server.adapter_mode=lora"): "continuous",
+        ("learner.placement=split", "server.production=lockstep"): "lockstep",  # set: kept
+        ("server.production=continuous",): "continuous",
+    }
+    for overrides, expected in production.items():
+        assert load_config(None, list(overrides)).server.production == expected, overrides
+    assert load_config(REPO / "deploy/configs/gpu-2x-split.toml", []).server.production == "continuous"
+    assert load_config(REPO / "deploy/configs/cpu.toml", []).server.production == "lockstep"
+
+
 def test_batch_size_invariant_names_all_three():
     cfg = load_config(None, ["learner.prompts_per_step=2", "sampling.group_size=4", "learner.grad_accum=4"])
     assert check_batch_size(cfg, world_size=2) == 8  # 2 x 4 = 1 x 4 x 2
