@@ -23,7 +23,8 @@ sampled it (mean and 95th percentile). Mode `inflight` is continuous production 
 server.inflight_updates = "continue" (a publish moves the samples in flight to the new version); it needs
 LoRA adapters in the engine, so with it every mode runs on one engine in LoRA mode (vLLM's LoRA path: ~1/3
 of the merged weights' speed on CPU), and without it on merged weights as before.
-Numbers and the machine: docs/benchmarks.md.
+Numbers and the machine: docs/benchmarks.md. The learner's side (held-out accuracy after the same wall
+clock, learner idle, steps per minute, token lag with a real learner): scripts/bench_streaming_learning.py.
 """
 
 from __future__ import annotations
